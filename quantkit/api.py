@@ -1,0 +1,104 @@
+"""quantkit's Python API.  The CLI only parses arguments, calls these and renders the results."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import Plan, backend_for_artifact, parse_format_spec, registered_backends, PLANNED
+from .errors import UsageError
+from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
+from .model.checkpoint import Checkpoint
+from .model.source import open_model
+from .progress import Progress, null_progress
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: no CUDA device is available here")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r}: expected auto, cpu or cuda[:N]") from None
+
+
+def list_formats() -> dict[str, Any]:
+    """Installed formats with their variants, and the planned ones not installed yet."""
+    installed = {name: {"summary": b.summary, "variants": b.variants()} for name, b in registered_backends().items()}
+    return {"installed": installed, "planned": [p for p in PLANNED if p not in installed]}
+
+
+def open_any(spec: str, base: Checkpoint | None = None):
+    """A model spec, or an artifact file/folder that an installed format can read."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        backend = backend_for_artifact(path)
+        if backend is not None:
+            return backend.open_artifact(path, base=base)
+    return open_model(spec)
+
+
+def inspect(spec: str) -> dict[str, Any]:
+    path = Path(spec).expanduser()
+    if path.exists():
+        backend = backend_for_artifact(path)
+        if backend is not None:
+            return backend.describe_artifact(path)
+    model = open_model(spec)
+    cfg = model.config
+    return {
+        "kind": "checkpoint",
+        "name": model.name,
+        "folder": str(model.folder),
+        "revision": model.revision,
+        "architecture": cfg.model_type,
+        "family": model.adapter.family,
+        "parameters": model.parameter_count(),
+        "size_on_disk": model.size_on_disk(),
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "tied_embeddings": model.tied_embeddings,
+        "tensors": [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype} for e in model.weights.entries.values()],
+    }
+
+
+def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
+             device: str | None = None, progress: Progress = null_progress) -> EvalResult:
+    base_model = open_model(base) if base else None
+    model = open_any(spec, base=base_model)
+    tokenizer_owner = model if getattr(model, "tokenizer", None) is not None else base_model
+    if tokenizer_owner is None:
+        raise UsageError(f"{spec}: carries no tokenizer quantkit can use; pass --base MODEL")
+    tokens = load_windows(tokenizer_owner.tokenizer, Path(data), ctx, windows)
+    return _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
+                     progress=progress)
+
+
+def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
+    model = open_model(spec)
+    return [b.plan(model, v, Path(out), options or {}) for b, _, v in _parse_formats(formats)]
+
+
+def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | None = None,
+            progress: Progress = null_progress) -> list[Path]:
+    parsed = _parse_formats(formats)  # reject bad formats before touching the model
+    model = open_model(spec)
+    options = options or {}
+    written = []
+    for backend, _, variant in parsed:
+        p = backend.plan(model, variant, Path(out), options)
+        written.append(backend.write(model, variant, p, Path(out), options, progress))
+    return written
+
+
+def _parse_formats(formats: list[str]):
+    if not formats:
+        raise UsageError("no output format given; add -f FORMAT:VARIANT (e.g. -f gguf:Q4_K_M)")
+    return [parse_format_spec(f) for f in formats]

@@ -1,0 +1,69 @@
+"""Artifacts appear only when complete: everything is written under a hidden
+`.partial-*` name in the output folder and renamed into place at the end."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import OutputError
+
+
+def ensure_output_dir(out: Path) -> Path:
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create the output folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise OutputError(f"{out}: the output folder is not writable")
+    return out
+
+
+def _os_error_message(path: Path, e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"{path}: the disk is full (no space left while writing); free space or choose another -o folder"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{path}: not writable ({e.strerror})"
+    return f"{path}: write failed ({e.strerror or e})"
+
+
+@contextmanager
+def atomic_file(final: Path):
+    """Yield a temporary path beside `final`; rename it to `final` only if the block succeeds."""
+    final = Path(final)
+    ensure_output_dir(final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".partial-{final.name}.", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(_os_error_message(final, e)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_folder(final: Path):
+    """Yield a temporary folder beside `final`; it becomes `final` only if the block succeeds."""
+    final = Path(final)
+    ensure_output_dir(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(_os_error_message(final, e)) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

