@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random checkpoints made on the spot, and paths to the shared data."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("QUANTKIT_SHARED_DATA", ROOT.parent / "shared" / "data"))
+WIKI_TEST = SHARED_DATA / "wikitext2-test.raw.txt"
+WIKI_VALID = SHARED_DATA / "wikitext2-valid.txt"
+
+TINY_TEXT = ("the quick brown fox jumps over the lazy dog . " * 40
+             + "a stitch in time saves nine ; all that glitters is not gold . " * 40)
+
+
+def make_tokenizer(folder: Path) -> None:
+    """A small word-level tokenizer trained on TINY_TEXT, saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TINY_TEXT], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+
+
+def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layers=2, heads=4, kv_heads=2,
+                    intermediate=128, vocab=64, tie=False, dtype=torch.bfloat16, seed=0,
+                    max_shard_size=None, tokenizer=True, **extra) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                               tie_word_embeddings=tie, max_position_embeddings=256, **extra)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    with torch.no_grad():  # default init is tiny; bigger weights give a model with non-trivial outputs
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), **kw)
+    if tokenizer:
+        make_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("text") / "text.txt"
+    p.write_text(TINY_TEXT)
+    return p
+
+
+def run_cli(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "quantkit", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=900)
+
+
+def needs_shared_data(path: Path):
+    return pytest.mark.skipif(not path.is_file(), reason=f"shared data not found at {path} (CI has ../shared/data)")

@@ -1,0 +1,93 @@
+"""The command line as a user meets it: help, inspect, eval, and one-line errors with distinct exit codes."""
+import json
+
+import pytest
+
+from conftest import make_checkpoint, run_cli
+
+
+def assert_one_line_error(proc, code, *fragments):
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_help_has_examples():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert "quantkit convert demo:smollm2-135m" in proc.stdout
+    for cmd in ("inspect", "eval", "convert", "formats"):
+        assert cmd in proc.stdout
+
+
+def test_inspect_json(tiny_llama):
+    proc = run_cli("inspect", str(tiny_llama), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["architecture"] == "llama" and info["layers"] == 2
+    names = {t["name"]: t for t in info["tensors"]}
+    assert names["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 64]
+    assert names["model.layers.0.self_attn.k_proj.weight"]["dtype"] == "BF16"
+    assert info["parameters"] == sum(__import__("math").prod(t["shape"]) for t in info["tensors"])
+
+
+def test_eval_json_and_table_agree(tiny_llama, tiny_text):
+    args = ("eval", str(tiny_llama), "--data", str(tiny_text), "--ctx", "16", "--windows", "4", "--base", str(tiny_llama))
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["tokens_scored"] == 4 * 15 and r["mean_kld"] == pytest.approx(0, abs=1e-6) and r["top1_agreement"] == 1.0
+    table = run_cli(*args)
+    assert table.returncode == 0 and f"{r['perplexity']:.4f}" in table.stdout
+
+
+def test_missing_folder():
+    assert_one_line_error(run_cli("inspect", "./no/such/model"), 3, "no such folder")
+
+
+def test_folder_without_weights(tmp_path):
+    folder = make_checkpoint(tmp_path / "m")
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    assert_one_line_error(run_cli("inspect", str(folder)), 3, "no .safetensors weights")
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    folder = make_checkpoint(tmp_path / "m")
+    (folder / "model.safetensors").write_bytes((40).to_bytes(8, "little") + b"{garbage" + b"\0" * 40)
+    assert_one_line_error(run_cli("inspect", str(folder)), 3, "corrupt safetensors header")
+
+
+def test_unsupported_architecture(tmp_path):
+    folder = make_checkpoint(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("inspect", str(folder)), 4, "'gpt2' is not supported", "llama", "qwen2")
+
+
+def test_unknown_format(tiny_llama):
+    proc = run_cli("convert", str(tiny_llama), "-f", "zip:9bit", "-o", "/tmp/never")
+    assert_one_line_error(proc, 2, "unknown format 'zip'")
+
+
+def test_malformed_format(tiny_llama):
+    assert_one_line_error(run_cli("convert", str(tiny_llama), "-f", "gguf"), 2, "FORMAT:VARIANT")
+
+
+def test_hub_id_while_offline(tmp_path):
+    proc = run_cli("inspect", "acme/not-cached", env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert_one_line_error(proc, 5, "cannot reach the Hugging Face Hub")
+
+
+def test_eval_missing_data_file(tiny_llama, tmp_path):
+    proc = run_cli("eval", str(tiny_llama), "--data", str(tmp_path / "none.txt"))
+    assert_one_line_error(proc, 6, "no such file")
+
+
+def test_debug_shows_traceback():
+    proc = run_cli("--debug", "inspect", "./no/such/model")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
