@@ -69,16 +69,26 @@ def inspect(spec: str) -> dict[str, Any]:
     }
 
 
+RUNTIMES = ("quantkit", "llama.cpp")
+
+
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
-             device: str | None = None, progress: Progress = null_progress) -> EvalResult:
+             device: str | None = None, runtime: str = "quantkit", progress: Progress = null_progress) -> EvalResult:
+    """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; "llama.cpp"
+    runs a GGUF file in llama.cpp itself (the base model, if any, always runs in quantkit)."""
+    if runtime not in RUNTIMES:
+        raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     base_model = open_model(base) if base else None
     model = open_any(spec, base=base_model)
-    tokenizer_owner = model if getattr(model, "tokenizer", None) is not None else base_model
-    if tokenizer_owner is None:
-        raise UsageError(f"{spec}: carries no tokenizer quantkit can use; pass --base MODEL")
-    tokens = load_windows(tokenizer_owner.tokenizer, Path(data), ctx, windows)
+    tokens = load_windows((base_model or model).tokenizer, Path(data), ctx, windows)
+    logits = None
+    if runtime == "llama.cpp":
+        from .backends.gguf import llamacpp
+        if not str(spec).endswith(".gguf"):
+            raise UsageError("--runtime llama.cpp evaluates .gguf files")
+        logits = llamacpp.window_logits(Path(spec), tokens)
     return _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
-                     progress=progress)
+                     progress=progress, model_logits=logits)
 
 
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
@@ -91,10 +101,13 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     parsed = _parse_formats(formats)  # reject bad formats before touching the model
     model = open_model(spec)
     options = options or {}
-    written = []
+    groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
     for backend, _, variant in parsed:
-        p = backend.plan(model, variant, Path(out), options)
-        written.append(backend.write(model, variant, p, Path(out), options, progress))
+        items = groups.setdefault(backend.name, (backend, []))[1]
+        items.append((variant, backend.plan(model, variant, Path(out), options)))
+    written = []
+    for backend, items in groups.values():
+        written += backend.write_all(model, items, Path(out), options, progress)
     return written
 
 

@@ -23,6 +23,12 @@ def ensure_output_dir(out: Path) -> Path:
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _os_error_message(path: Path, e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return f"{path}: the disk is full (no space left while writing); free space or choose another -o folder"
@@ -41,6 +47,7 @@ def atomic_file(final: Path):
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a finished artifact gets normal permissions
         os.replace(tmp, final)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -90,12 +90,15 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
              ctx: int = typer.Option(512, "--ctx", help="Tokens per window."),
              windows: int = typer.Option(40, "--windows", help="Number of non-overlapping windows."),
              device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+             runtime: str = typer.Option("quantkit", "--runtime",
+                                         help="quantkit (own dequantization) or llama.cpp (GGUF in llama.cpp)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
     """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
     from . import api
     from .progress import rich_progress
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
-        result = api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device, progress=progress)
+        result = api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device,
+                              runtime=runtime, progress=progress)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -132,12 +135,14 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (types, size, bpw) and write nothing."),
             tensor_type: List[str] = typer.Option([], "--tensor-type", help="REGEX=TYPE per-tensor override (GGUF)."),
             pure: bool = typer.Option(False, "--pure", help="GGUF: no mixture rules, the file type's default everywhere."),
+            tokenizer_pre: Optional[str] = typer.Option(None, "--tokenizer-pre",
+                                                        help="GGUF: llama.cpp pre-tokenizer name, when quantkit cannot recognise the tokenizer."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
             as_json: bool = typer.Option(False, "--json", help="Print a JSON summary.")):
     """Write one artifact per -f FORMAT:VARIANT from one read of the model."""
     from . import api
     from .progress import rich_progress
-    options = {"tensor_type": tensor_type, "pure": pure, "device": device}
+    options = {"tensor_type": tensor_type, "pure": pure, "device": device, "tokenizer_pre": tokenizer_pre}
     if dry_run:
         plans = api.plan(model, fmt, output, options)
         if as_json:

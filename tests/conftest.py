@@ -30,9 +30,24 @@ def make_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
+def make_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A small byte-level BPE tokenizer (the kind GGUF's "gpt2" tokenizer model carries)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TINY_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+
+
 def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layers=2, heads=4, kv_heads=2,
                     intermediate=128, vocab=64, tie=False, dtype=torch.bfloat16, seed=0,
-                    max_shard_size=None, tokenizer=True, **extra) -> Path:
+                    max_shard_size=None, tokenizer=True, bpe=False, **extra) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -46,7 +61,9 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
                 p.normal_(0, 0.3)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kw)
-    if tokenizer:
+    if bpe:
+        make_bpe_tokenizer(folder, vocab)
+    elif tokenizer:
         make_tokenizer(folder)
     return folder
 
@@ -54,6 +71,13 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_source(tmp_path_factory) -> Path:
+    """Rows of 256 so every K-quant applies without llama.cpp's shape fallback; GQA; untied head."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "llama256", hidden=256, intermediate=512, heads=4,
+                           kv_heads=2, layers=2, vocab=320, bpe=True)
 
 
 @pytest.fixture(scope="session")

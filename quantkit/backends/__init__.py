@@ -70,8 +70,9 @@ class Backend:
     def plan(self, model, variant, out_dir: Path, options: dict) -> Plan:
         raise NotImplementedError
 
-    def write(self, model, variant, plan: Plan, out_dir: Path, options: dict, progress) -> Path:
-        """Write the artifact; return its path.  Must never leave a partial artifact behind."""
+    def write_all(self, model, items: list[tuple[Any, Plan]], out_dir: Path, options: dict, progress) -> list[Path]:
+        """Write one artifact per (variant, plan) from one read of the model; return their paths.
+        Must never leave a partial artifact behind."""
         raise NotImplementedError
 
     def can_read(self, path: Path) -> bool:

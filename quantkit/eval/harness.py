@@ -87,37 +87,63 @@ def final_hidden_states(model: DenseModel, tokens: torch.Tensor, *, device="cpu"
     return rms_norm(h, model.final_norm_weight().to(dtype), cfg.rms_norm_eps)
 
 
+class Scores:
+    """Accumulates NLL (model and base), KL(base ‖ model) and top-1 agreement window by window."""
+
+    def __init__(self):
+        self.nll = self.nll_base = self.kld = 0.0
+        self.agree = self.n = 0
+        self.has_base = False
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, base_logits: torch.Tensor | None = None) -> None:
+        """logits: (ctx-1, vocab) predicting targets (ctx-1,)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self.nll -= logp.gather(-1, targets[:, None]).sum().item()
+        self.n += targets.numel()
+        if base_logits is not None:
+            self.has_base = True
+            logp_b = torch.log_softmax(base_logits.float(), dim=-1)
+            self.nll_base -= logp_b.gather(-1, targets[:, None]).sum().item()
+            self.kld += (logp_b.exp() * (logp_b - logp)).sum().item()
+            self.agree += (logp_b.argmax(-1) == logp.argmax(-1)).sum().item()
+
+    def result(self, *, model: str, base: str | None, data: str, ctx: int, windows: int) -> EvalResult:
+        b = self.has_base
+        return EvalResult(model=model, base=base, data=data, ctx=ctx, windows=windows, tokens_scored=self.n,
+                          perplexity=math.exp(self.nll / self.n),
+                          base_perplexity=math.exp(self.nll_base / self.n) if b else None,
+                          mean_kld=self.kld / self.n if b else None,
+                          top1_agreement=self.agree / self.n if b else None)
+
+
+def window_logits(model: DenseModel, tokens: torch.Tensor, *, device="cpu", dtype=torch.float32,
+                  progress: Progress = null_progress):
+    """Yield each window's logits (ctx, vocab), computed from layer-by-layer hidden states."""
+    h = final_hidden_states(model, tokens, device=device, dtype=dtype, progress=progress, label=model.name)
+    head = model.lm_head_weight().to(device, dtype)
+    for wi in range(tokens.shape[0]):
+        yield h[wi].to(device) @ head.T
+
+
 @torch.no_grad()
 def evaluate(model: DenseModel, tokens: torch.Tensor, *, base: DenseModel | None = None, device="cpu",
-             dtype=torch.float32, data_name: str = "", progress: Progress = null_progress) -> EvalResult:
-    """Perplexity of `model` on `tokens` (windows × ctx); with `base`, KL(base ‖ model) and top-1 agreement."""
-    h = final_hidden_states(model, tokens, device=device, dtype=dtype, progress=progress, label=model.name)
-    hb = None
-    if base is not None:
-        hb = final_hidden_states(base, tokens, device=device, dtype=dtype, progress=progress, label=base.name)
-    head = model.lm_head_weight().to(device, dtype)
-    head_b = base.lm_head_weight().to(device, dtype) if base is not None else None
-    nll = nll_b = kld = 0.0
-    agree = 0
-    targets = tokens[:, 1:]
-    n = targets.numel()
+             dtype=torch.float32, data_name: str = "", progress: Progress = null_progress,
+             model_logits=None) -> EvalResult:
+    """Perplexity of `model` on `tokens` (windows × ctx); with `base`, KL(base ‖ model) and top-1 agreement.
+
+    `model_logits` (optional) replaces quantkit's own forward for the evaluated model with another runtime's
+    logits (an iterator of (ctx, vocab) tensors), e.g. llama.cpp's for a GGUF file."""
+    ours = model_logits if model_logits is not None else window_logits(model, tokens, device=device, dtype=dtype,
+                                                                       progress=progress)
+    theirs = window_logits(base, tokens, device=device, dtype=dtype, progress=progress) if base is not None else None
+    scores = Scores()
     task = progress.task("scoring windows", total=tokens.shape[0])
     for wi in range(tokens.shape[0]):
-        tgt = targets[wi].to(device)
-        logp = torch.log_softmax(h[wi, :-1].to(device) @ head.T, dim=-1)
-        nll -= logp.gather(-1, tgt[:, None]).sum().item()
-        if hb is not None:
-            logp_b = torch.log_softmax(hb[wi, :-1].to(device) @ head_b.T, dim=-1)
-            nll_b -= logp_b.gather(-1, tgt[:, None]).sum().item()
-            kld += (logp_b.exp() * (logp_b - logp)).sum().item()
-            agree += (logp_b.argmax(-1) == logp.argmax(-1)).sum().item()
+        logits = next(ours)
+        base_logits = next(theirs) if theirs is not None else None
+        scores.add(logits[:-1].to(device), tokens[wi, 1:].to(device),
+                   None if base_logits is None else base_logits[:-1])
         task.advance()
     task.done()
-    return EvalResult(
-        model=model.name, base=None if base is None else base.name, data=data_name,
-        ctx=tokens.shape[1], windows=tokens.shape[0], tokens_scored=n,
-        perplexity=math.exp(nll / n),
-        base_perplexity=None if base is None else math.exp(nll_b / n),
-        mean_kld=None if base is None else kld / n,
-        top1_agreement=None if base is None else agree / n,
-    )
+    return scores.result(model=model.name, base=None if base is None else base.name, data=data_name,
+                         ctx=tokens.shape[1], windows=tokens.shape[0])

@@ -1,0 +1,133 @@
+"""GGUF for llama.cpp: every legacy and K-quant type, IQ4, and llama-quantize's file-type mixtures."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from .. import Backend, Plan, PlanRow
+from ...errors import UsageError
+from ...model.checkpoint import Checkpoint
+from ...progress import Progress, null_progress
+from . import encoders, mixtures
+from .reader import GGUFModel, describe
+from .tensors import gguf_tensors
+from .writer import FileJob, tensor_nbytes, write_files
+
+
+def output_name(model: Checkpoint, file_type: str) -> str:
+    base = model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", base) or "model"
+    return f"{base}-{file_type}.gguf"
+
+
+class GGUFBackend(Backend):
+    name = "gguf"
+    summary = "llama.cpp GGUF v3: legacy, K-quant and IQ4 types, llama-quantize mixtures"
+
+    def variants(self) -> list[str]:
+        return list(mixtures.FILE_TYPES)
+
+    def parse_variant(self, text: str) -> mixtures.FileTypeSpec:
+        try:
+            return mixtures.resolve_file_type(text)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def plan(self, model: Checkpoint, variant: mixtures.FileTypeSpec, out_dir: Path, options: dict) -> Plan:
+        tensors = gguf_tensors(model)
+        cfg = model.config
+        try:
+            overrides = [_split_override(o) for o in options.get("tensor_type") or ()]
+            choices = mixtures.plan_types([(t.name, t.ne) for t in tensors], variant.name,
+                                          n_layer=cfg.num_layers, n_head=cfg.num_heads, n_head_kv=cfg.num_kv_heads,
+                                          tied_embeddings=model.tied_embeddings, overrides=overrides,
+                                          pure=bool(options.get("pure")))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        _refuse_impossible_overrides(tensors, overrides)
+        rows = []
+        for t, c in zip(tensors, choices):
+            rows.append(PlanRow(t.name, t.ne, c.qtype.name, tensor_nbytes(t, c.qtype), c.reason))
+        largest = max(int(np.prod(t.shape)) for t in tensors)
+        path = Path(out_dir) / output_name(model, variant.name)
+        plan = Plan("gguf", variant.name, str(path), rows)
+        plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
+                                               f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
+        plan.extra["time (estimate)"] = f"{_estimate_seconds(tensors, rows, options):.0f} s on {_device(options)}"
+        return plan
+
+    def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,
+                  options: dict, progress: Progress = null_progress) -> list[Path]:
+        tensors = gguf_tensors(model)
+        jobs = [FileJob(Path(plan.output), int(spec.file_type),
+                        {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
+        name = model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
+        return write_files(model, tensors, jobs, name=name, device=_device(options),
+                           tokenizer_pre=options.get("tokenizer_pre"), progress=progress)
+
+    def can_read(self, path: Path) -> bool:
+        if not Path(path).is_file():
+            return False
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+
+    def open_artifact(self, path: Path, base=None) -> GGUFModel:
+        return GGUFModel(path, base=base)
+
+    def describe_artifact(self, path: Path) -> dict:
+        return describe(Path(path))
+
+
+def _refuse_impossible_overrides(tensors, overrides) -> None:
+    """llama-quantize silently swaps an override that does not fit a tensor's rows for a fallback type;
+    an explicit --tensor-type is a request, so quantkit refuses it instead of ignoring it."""
+    for t in tensors:
+        if len(t.shape) < 2:
+            continue
+        for pattern, qname in overrides:
+            if re.search(pattern.lower(), t.name):
+                qtype = mixtures.parse_ggml_type(qname)
+                block = gguf.GGML_QUANT_SIZES[qtype][0]
+                if t.shape[-1] % block:
+                    raise UsageError(f"--tensor-type {pattern}={qname}: {t.name} has rows of {t.shape[-1]}, which "
+                                     f"{qtype.name} (blocks of {block}) cannot take; choose a type with blocks of 32")
+                break
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    pattern, sep, qtype = text.rpartition("=")
+    if not sep or not pattern or not qtype:
+        raise UsageError(f"--tensor-type {text!r}: expected REGEX=TYPE, e.g. 'ffn_down=q6_k'")
+    return pattern, qtype
+
+
+def _device(options: dict) -> torch.device:
+    d = options.get("device") or "auto"
+    if d == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(d)
+
+
+def _estimate_seconds(tensors, rows, options) -> float:
+    """Time a small slab of each type on this machine and scale by the number of weights of that type."""
+    device = _device(options)
+    by_type: dict[str, int] = {}
+    for r in rows:
+        by_type[r.kind] = by_type.get(r.kind, 0) + int(np.prod(r.shape))
+    total = 0.0
+    for kind, n in by_type.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        width = 256 if gguf.GGML_QUANT_SIZES[qtype][0] <= 256 else gguf.GGML_QUANT_SIZES[qtype][0]
+        x = torch.randn(64, width * 16, device=device)
+        t0 = time.perf_counter()
+        encoders.quantize(x, qtype)
+        total += (time.perf_counter() - t0) * n / x.numel()
+    return total
+
+
+BACKEND = GGUFBackend()

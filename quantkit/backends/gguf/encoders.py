@@ -1,0 +1,922 @@
+"""Vectorized PyTorch GGML block encoders, byte-identical to llama.cpp.
+
+Every encoder works on all blocks of a tensor at once, on whatever device the
+input lives on (CPU or CUDA), using plain float32 torch element-wise ops.  The
+result for each type is byte-for-byte what ``ggml_quantize_chunk`` writes for
+the same float32 input (``imatrix=NULL`` path by default; the importance-matrix
+path when ``imatrix`` is given).
+
+How bit-exactness is obtained
+-----------------------------
+* Each float32 operation is a separate correctly-rounded torch op, written in
+  the same association order as the reference C expressions (ggml-base is
+  compiled without FMA contraction or fast-math, so the C side does exactly
+  one rounding per operator as well).
+* Sums over the positions of a block are accumulated sequentially, position by
+  position (a Python loop over the 16/32/256 in-block positions, each step a
+  vector op across *all* blocks and search candidates), because a tree
+  reduction would round differently.
+* Divisions are always tensor/tensor (torch may turn ``t / scalar`` into a
+  multiplication by the reciprocal on CUDA, and ``scalar / t`` into
+  ``reciprocal(t) * scalar`` everywhere); constants that are not exact in
+  float32 are produced by float32 torch ops, like the C float literals.
+* ``nearest_int`` is reproduced with the same magic-number trick
+  (x + 1.5*2**23, reinterpret bits), so it matches even outside its nominal
+  range; C casts to small integer types are mirrored with masks.
+* The candidate searches (``make_qx_quants``, ``make_qkx2/3_quants``, the IQ4
+  scale search) evaluate all candidate scales in parallel, then pick the
+  winner with a short sequential pass over the candidates that applies the
+  same strict comparisons as the reference; coordinate-descent passes
+  (``make_q3_quants``, ``make_qp_quants``) loop over positions, vectorized
+  over blocks.
+
+Block layouts follow ggml-common.h; see docs/formats/gguf.md section 4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as _gguf_quants
+
+__all__ = ["quantize", "dequantize", "SUPPORTED"]
+
+QT = GGMLQuantizationType
+
+SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
+})
+
+_F32 = torch.float32
+_GROUP_MAX_EPS = float(np.float32(1e-15))
+_KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+# ----------------------------------------------------------------------------
+# small exact-arithmetic helpers
+# ----------------------------------------------------------------------------
+
+def _c(v: float, ref: torch.Tensor) -> torch.Tensor:
+    """0-dim float32 constant on ref's device (value rounded like a C float literal)."""
+    return torch.tensor(float(np.float32(v)), dtype=_F32, device=ref.device)
+
+
+def _div(a, b) -> torch.Tensor:
+    """IEEE float32 a / b with tensors on both sides (see module docstring)."""
+    if not isinstance(a, torch.Tensor):
+        a = _c(a, b)
+    if not isinstance(b, torch.Tensor):
+        b = _c(b, a)
+    return torch.div(a, b)
+
+
+def _recip(a: torch.Tensor) -> torch.Tensor:
+    return torch.reciprocal(a)
+
+
+def _nearest_int(f: torch.Tensor) -> torch.Tensor:
+    """ggml nearest_int: add 1.5*2^23 in float32 and take the mantissa bits (int32)."""
+    return ((f + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
+
+
+def _ni(f: torch.Tensor) -> torch.Tensor:
+    """nearest_int as float32 values (small integers are exact)."""
+    return _nearest_int(f).to(_F32)
+
+
+def _rnd(f: torch.Tensor) -> torch.Tensor:
+    """nearest_int for arguments known to satisfy |f| < 2**22 (the range where
+    the magic-number trick is exactly round-half-to-even): one fused op."""
+    return torch.round(f)
+
+
+def _clampf(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    return t.clamp(lo, hi)
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 sqrt (sqrtf).  torch's CPU float32 sqrt is not
+    always correctly rounded, so take a float64 sqrt, round to float32 and fix
+    the last bit with an exact float64 midpoint test (products of <= 25-bit
+    significands are exact in float64)."""
+    r = torch.sqrt(v.to(torch.float64)).to(_F32)
+    rd = r.to(torch.float64)
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    dn = torch.nextafter(r, torch.zeros_like(r))
+    hi = (rd + up.to(torch.float64)) * 0.5
+    lo = (rd + dn.to(torch.float64)) * 0.5
+    vd = v.to(torch.float64)
+    r = torch.where(vd > hi * hi, up, r)
+    r = torch.where(vd < lo * lo, dn, r)
+    return r
+
+
+def _f16r(t: torch.Tensor) -> torch.Tensor:
+    """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(t))."""
+    return t.to(torch.float16).to(_F32)
+
+
+def _seqsum(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
+    """Sequential float32 sum over dim 0: ((0 + t0) + t1) + ... like a C loop."""
+    acc = t[0] + 0.0 if from_zero else t[0].clone()
+    for j in range(1, t.shape[0]):
+        acc.add_(t[j])
+    return acc
+
+
+def _signed_absmax(x: torch.Tensor):
+    """Over dim 0: (amax, max) where max is the first element with the largest |x|
+    (the C idiom ``if (ax > amax) { amax = ax; max = x; }`` starting from 0)."""
+    amax, idx = x.abs().max(0)          # first index of the largest |x|
+    mx = x.gather(0, idx.unsqueeze(0)).squeeze(0)
+    mx = torch.where(amax > 0, mx, torch.zeros_like(mx))
+    return amax, mx
+
+
+def _first_min(x: torch.Tensor) -> torch.Tensor:
+    """Running ``if (x[i] < min) min = x[i]`` over dim 0: the first of equal
+    minima (matters only for the sign of zero).  torch.min(dim) returns the
+    index of the first minimal value."""
+    idx = x.min(0).indices
+    return x.gather(0, idx.unsqueeze(0)).squeeze(0)
+
+
+def _first_max(x: torch.Tensor) -> torch.Tensor:
+    idx = x.max(0).indices
+    return x.gather(0, idx.unsqueeze(0)).squeeze(0)
+
+
+def _pos_max(t: torch.Tensor) -> torch.Tensor:
+    """Over dim 0: the C idiom ``m = 0; if (v > m) m = v;`` (+0.0 when nothing is positive)."""
+    m = t.amax(0)
+    return torch.where(m > 0, m, torch.zeros_like(m))
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """(uint8_t) conversion of an integer tensor (wraps mod 256)."""
+    return t.to(torch.int32) & 0xFF
+
+
+def _i8(t: torch.Tensor) -> torch.Tensor:
+    """(int8_t) conversion of an integer tensor (wraps into [-128, 127])."""
+    return ((t.to(torch.int32) + 128) & 0xFF) - 128
+
+
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float32 (m,) -> (2, m) int32 bytes of the ggml fp16 encoding (little-endian)."""
+    h = t.to(torch.float16)
+    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    # ggml's software converter writes NaN as sign|0x7E00
+    nan = torch.isnan(t)
+    if bool(nan.any()):
+        sign = (t.view(torch.int32) >> 16) & 0x8000
+        bits = torch.where(nan, sign | 0x7E00, bits)
+    return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF])
+
+
+def _sub(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(bs, nb) super-blocks -> (n, (bs//n)*nb) sub-blocks; column = j*nb + b."""
+    bs, nb = x.shape
+    return x.view(bs // n, n, nb).permute(1, 0, 2).reshape(n, (bs // n) * nb)
+
+
+def _unsub(L: torch.Tensor, bs: int, nb: int) -> torch.Tensor:
+    """Inverse of _sub: (n, (bs//n)*nb) -> (bs, nb)."""
+    n = L.shape[0]
+    return L.view(n, bs // n, nb).permute(1, 0, 2).reshape(bs, nb)
+
+
+def _pack_nibbles_halves(L: torch.Tensor) -> torch.Tensor:
+    """(32*k, nb) -> (16*k, nb): byte j of each 32-group = L[j] | L[j+16] << 4."""
+    n, nb = L.shape
+    v = L.view(n // 32, 2, 16, nb)
+    return (v[:, 0] | (v[:, 1] << 4)).reshape(n // 2, nb)
+
+
+def _pack_2bit(L: torch.Tensor) -> torch.Tensor:
+    """(256, nb) 2-bit -> (64, nb): qs[32h+l] = sum_k L[128h+32k+l] << 2k."""
+    nb = L.shape[1]
+    v = L.view(2, 4, 32, nb)
+    return (v[:, 0] | (v[:, 1] << 2) | (v[:, 2] << 4) | (v[:, 3] << 6)).reshape(64, nb)
+
+
+def _bits32(hb: torch.Tensor) -> torch.Tensor:
+    """(32, nb) 0/1 -> (4, nb) bytes of a little-endian uint32 with bit j = hb[j]."""
+    nb = hb.shape[1]
+    v = hb.view(4, 8, nb)
+    sh = torch.arange(8, device=hb.device, dtype=torch.int32).view(1, 8, 1)
+    return (v << sh).sum(1)
+
+
+# ----------------------------------------------------------------------------
+# search helpers (vectorized over columns = blocks)
+# ----------------------------------------------------------------------------
+
+def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=w).  x: (n, m).
+    Returns (scale (m,), L (n, m) float32 holding l + nmax, or 0 for all-zero groups)."""
+    amax, mx = _signed_absmax(x)
+    zero = amax < _GROUP_MAX_EPS
+    if w is None:
+        w = x * x
+    wx = w * x
+    # candidate numerators: is = 0 (base) then -9..9 without 0
+    iss = [i for i in range(-9, 10) if i != 0]
+    cpu = torch.tensor(iss, dtype=_F32)
+    nums = torch.cat([torch.tensor([-float(nmax)], dtype=_F32),
+                      -(torch.tensor(float(nmax), dtype=_F32) + torch.tensor(0.1, dtype=_F32) * cpu)])
+    nums = nums.to(x.device)
+    iscale = _div(nums.unsqueeze(1), mx.unsqueeze(0))                  # (C, m)
+    # |iscale*x| <= nmax + 1 here, so plain rounding equals nearest_int
+    l = torch.mul(x.unsqueeze(1), iscale.unsqueeze(0)).round_().clamp_(-nmax, nmax - 1)  # (n, C, m)
+    buf = torch.empty((x.shape[0], 2) + tuple(l.shape[1:]), dtype=_F32, device=x.device)
+    torch.mul(l, wx.unsqueeze(1), out=buf[:, 0])
+    torch.mul(l, w.unsqueeze(1), out=buf[:, 1]).mul_(l)
+    sums = _seqsum(buf)
+    sumlx, suml2 = sums[0], sums[1]                                    # (C, m)
+    q = _div(sumlx, suml2)
+    scale = torch.where(suml2[0] != 0, q[0], torch.zeros_like(q[0]))
+    best = scale * sumlx[0]
+    sel = torch.zeros_like(mx, dtype=torch.int64)
+    for c in range(1, nums.shape[0]):
+        upd = (suml2[c] > 0) & (sumlx[c] * sumlx[c] > best * suml2[c])
+        scale = torch.where(upd, q[c], scale)
+        best = torch.where(upd, scale * sumlx[c], best)
+        sel = torch.where(upd, torch.full_like(sel, c), sel)
+    L = l.gather(1, sel.view(1, 1, -1).expand(l.shape[0], 1, -1)).squeeze(1) + nmax
+    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    return scale, L
+
+
+def _make_q3_quants(x: torch.Tensor, nmax: int):
+    """make_q3_quants(n, nmax, x, L, do_rmse=true).  x: (n, m)."""
+    amax, mx = _signed_absmax(x)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = _div(-float(nmax), mx)
+    L = _rnd(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1).contiguous()
+    w = x * x
+    wx = w * x
+    sums = _seqsum(torch.stack([wx * L, (w * L) * L], 1))
+    sumlx, suml2 = sums[0].clone(), sums[1].clone()
+    n = x.shape[0]
+    # Coordinate descent, up to 5 passes.  A pass that changes nothing in a
+    # group leaves its state untouched, so every later pass is a no-op for it:
+    # after each pass only the groups that changed are carried on (compacted).
+    act = None
+    for _ in range(5):
+        if act is None:
+            xa, wa, wxa, La, slx_a, sl2_a = x, w, wx, L, sumlx, suml2
+        else:
+            xa, wa, wxa, La = x[:, act], w[:, act], wx[:, act], L[:, act]
+            slx_a, sl2_a = sumlx[act], suml2[act]
+        changed = torch.zeros(xa.shape[1], dtype=torch.bool, device=x.device)
+        for i in range(n):
+            wi, wxi, xi, Li = wa[i], wxa[i], xa[i], La[i]
+            slx = slx_a - wxi * Li
+            sl2 = sl2_a - (wi * Li) * Li
+            new_l = _clampf(_ni(_div(xi * sl2, slx)), -nmax, nmax - 1)
+            slx_n = slx + wxi * new_l
+            sl2_n = sl2 + (wi * new_l) * new_l
+            acc = ((slx > 0) & (new_l != Li) & (sl2_n > 0)
+                   & ((slx_n * slx_n) * sl2_a > (slx_a * slx_a) * sl2_n))
+            La[i] = torch.where(acc, new_l, Li)
+            slx_a = torch.where(acc, slx_n, slx_a)
+            sl2_a = torch.where(acc, sl2_n, sl2_a)
+            changed |= acc
+        if act is None:
+            sumlx, suml2 = slx_a, sl2_a
+            act = torch.nonzero(changed).squeeze(1)
+        else:
+            L[:, act] = La
+            sumlx[act] = slx_a
+            suml2[act] = sl2_a
+            act = act[changed]
+        if act.numel() == 0:
+            break
+    scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))
+    L = L + nmax
+    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    return scale, L
+
+
+def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
+                     nstep: int, use_mad: bool):
+    """make_qkx2_quants / make_qkx3_quants (identical once weights are explicit).
+    x, w: (n, m).  Returns (scale (m,), the_min (m,) = -min >= 0, L (n, m) float32)."""
+    mn = _first_min(x)
+    mx = x.amax(0)
+    wx = w * x
+    sum_w = _seqsum(w, from_zero=False)
+    sum_x = _seqsum(wx, from_zero=False)
+    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
+    degenerate = mx <= mn
+    rng = mx - mn
+    xm = x - mn
+    iscale = _div(float(nmax), rng)
+    scale = _recip(iscale)
+    L = _rnd(iscale * xm).clamp_(0, nmax)
+    diff = scale * L + mn - x
+    diff = diff.abs() if use_mad else diff * diff
+    best = _seqsum(w * diff)
+
+    # The reference overwrites `min` whenever a candidate wins, and later
+    # candidates are computed relative to that updated min: the search is
+    # inherently sequential over candidates (vectorized over groups here).
+    ist = torch.arange(nstep + 1, dtype=_F32)
+    nums = (torch.tensor(rmin, dtype=_F32) + torch.tensor(rdelta, dtype=_F32) * ist) + float(nmax)
+    nums = nums.to(x.device)
+    cur = mn
+    n = x.shape[0]
+    won = torch.zeros_like(degenerate)
+    isc_w = torch.zeros_like(mx)
+    cur_w = torch.zeros_like(mx)
+    buf = torch.empty((n, 3) + tuple(x.shape[1:]), dtype=_F32, device=x.device)
+    wl, wl2, wlx = buf[:, 0], buf[:, 1], buf[:, 2]
+    for c in range(nstep + 1):
+        isc = _div(nums[c], mx - cur)
+        # |isc*(x-cur)| stays O(nmax) (cur <= max), so rounding == nearest_int
+        la = torch.sub(x, cur).mul_(isc).round_().clamp_(0, nmax)
+        torch.mul(w, la, out=wl)
+        torch.mul(wl, la, out=wl2)
+        torch.mul(wl, x, out=wlx)
+        sums = _seqsum(buf)
+        sum_l, sum_l2, sum_xl = sums[0], sums[1], sums[2]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
+        this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
+        pos = this_min > 0
+        this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
+        this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
+        diff = torch.mul(la, this_scale).add_(this_min).sub_(x)
+        if use_mad:
+            diff.abs_()
+        else:
+            diff.mul_(diff)
+        err = _seqsum(diff.mul_(w))
+        upd = (D > 0) & (err < best)
+        best = torch.where(upd, err, best)
+        scale = torch.where(upd, this_scale, scale)
+        isc_w = torch.where(upd, isc, isc_w)
+        cur_w = torch.where(upd, cur, cur_w)
+        won |= upd
+        cur = torch.where(upd, this_min, cur)
+    # rebuild the winning candidate's L (same ops => same values)
+    la = torch.sub(x, cur_w).mul_(isc_w).round_().clamp_(0, nmax)
+    L = torch.where(won.unsqueeze(0), la, L)
+    mn_best = cur
+    L = torch.where(degenerate.unsqueeze(0), torch.zeros_like(L), L)
+    scale = torch.where(degenerate, torch.zeros_like(scale), scale)
+    mn_best = torch.where(degenerate, mn, mn_best)
+    return scale, -mn_best, L
+
+
+def _make_qp_quants(x: torch.Tensor, nmax: int, w: torch.Tensor):
+    """make_qp_quants(n, nmax, x, L, quant_weights=w).  x, w: (n, m).
+    Returns (scale (m,), L (n, m) float32)."""
+    mx = _pos_max(x)
+    zero = mx < _GROUP_MAX_EPS
+    iscale = _div(float(nmax), mx)
+    L = _ni(iscale * x)
+    scale = _recip(iscale)
+    diff = x - scale * L
+    best = _seqsum((w * diff) * diff)
+    iss = [i for i in range(-4, 5) if i != 0]
+    nums = (torch.tensor(0.1, dtype=_F32) * torch.tensor(iss, dtype=_F32) + float(nmax)).to(x.device)
+    isc = _div(nums.unsqueeze(1), mx.unsqueeze(0))                       # (C, m)
+    ssc = _recip(isc)
+    l = _rnd(isc.unsqueeze(0) * x.unsqueeze(1)).clamp_(max=nmax)
+    diff = x.unsqueeze(1) - ssc.unsqueeze(0) * l
+    mse = _seqsum((w.unsqueeze(1) * diff) * diff)
+    for c in range(len(iss)):
+        upd = mse[c] < best
+        best = torch.where(upd, mse[c], best)
+        iscale = torch.where(upd, isc[c], iscale)
+    L = _ni(iscale * x).clamp(max=nmax)
+    # stored in uint8_t L[]; values used later are the wrapped ones
+    L = _u8(L.to(torch.int32)).to(_F32)
+    wx = w * x
+    sums = _seqsum(torch.stack([wx * L, (w * L) * L], 1))
+    sumlx, suml2 = sums[0].clone(), sums[1].clone()
+    L = L.contiguous()
+    n = x.shape[0]
+    for _ in range(5):
+        changed = torch.zeros_like(zero)
+        for i in range(n):
+            wi, wxi, xi, Li = w[i], wx[i], x[i], L[i]
+            slx = sumlx - wxi * Li
+            sl2 = suml2 - (wi * Li) * Li
+            new_l = _ni(_div(xi * sl2, slx)).clamp(max=nmax)
+            slx_n = slx + wxi * new_l
+            sl2_n = sl2 + (wi * new_l) * new_l
+            acc = ((slx > 0) & (sl2 > 0) & (new_l != Li)
+                   & ((slx_n * slx_n) * suml2 > (sumlx * sumlx) * sl2_n))
+            L[i] = torch.where(acc, _u8(new_l.to(torch.int32)).to(_F32), Li)
+            sumlx = torch.where(acc, slx_n, sumlx)
+            suml2 = torch.where(acc, sl2_n, suml2)
+            changed |= acc
+        if not bool(changed.any()):
+            break
+    scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))
+    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
+    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    return scale, L
+
+
+# IQ4 codebook lookup -------------------------------------------------------
+
+_IQ4_TAB_CACHE: dict = {}
+
+
+def _iq4_tables(dev):
+    """Codebook plus, for every integer cell [i, i+1) with i in -128..127, the
+    neighbours (lo, hi) = (v[mu-1], v[mu]) where mu = #codebook values <= x
+    (clamped to 1..15) -- constant over the cell because the values are integers."""
+    key = str(dev)
+    t = _IQ4_TAB_CACHE.get(key)
+    if t is None:
+        v = np.array(_KVALUES_IQ4NL, dtype=np.float32)
+        cells = np.arange(-128, 128)
+        mu = np.clip((v[None, :] <= cells[:, None]).sum(1), 1, 15)
+        vals = torch.tensor(v, device=dev)
+        lo = torch.tensor(v[mu - 1], device=dev)
+        hi = torch.tensor(v[mu], device=dev)
+        mut = torch.tensor(mu, dtype=torch.int64, device=dev)
+        t = (vals, lo, hi, mut)
+        _IQ4_TAB_CACHE[key] = t
+    return t
+
+
+def _best_index_iq4(al: torch.Tensor, tabs, want_index: bool):
+    """best_index_int8(16, kvalues_iq4nl, al): index (int64) or the codebook value.
+    Same decision as the reference: (al - lo) < (hi - al) in float32 picks lo."""
+    _, lo_t, hi_t, mu_t = tabs
+    # cell = floor(al) + 128.  (al + 128 may round up to the next integer when
+    # al is just below it; that only changes the cell when the integer is a
+    # codebook value v, and then both cells give v.)  Truncation == floor
+    # after clamping to >= 0; NaN (masked lanes only) is mapped to cell 0.
+    cell = (al + 128.0).nan_to_num_(nan=0.0).clamp_(0, 255).to(torch.int64)
+    lo = torch.take(lo_t, cell)
+    hi = torch.take(hi_t, cell)
+    pick_lo = torch.sub(al, lo) < torch.sub(hi, al)
+    if want_index:
+        return torch.take(mu_t, cell) - pick_lo.to(torch.int64)
+    return hi.add_((lo - hi).mul_(pick_lo))
+
+
+def _iq4_block_scales(x: torch.Tensor, w: torch.Tensor, vals: torch.Tensor, ntry: int = 7):
+    """Per-32 scale search of quantize_row_iq4_nl_impl.  x, w: (32, m) -> d (m,)."""
+    amax, mx = _signed_absmax(x)
+    zero = amax < _GROUP_MAX_EPS
+    mx = torch.where(zero, torch.ones_like(mx), mx)   # all-zero groups are masked below
+    d0 = _div(-mx, -127.0)                       # -max / values[0]
+    id0 = _recip(d0)
+    nums = torch.arange(-ntry, ntry + 1, dtype=_F32, device=x.device) - 127.0
+    ids = torch.cat([id0.unsqueeze(0), _div(nums.unsqueeze(1), mx.unsqueeze(0))])  # (C, m)
+    al = ids.unsqueeze(0) * x.unsqueeze(1)                                           # (32, C, m)
+    q = _best_index_iq4(al, vals, want_index=False)
+    del al
+    buf = torch.empty((x.shape[0], 2) + tuple(q.shape[1:]), dtype=_F32, device=x.device)
+    wq = torch.mul(w.unsqueeze(1), q, out=buf[:, 1])
+    torch.mul(wq, x.unsqueeze(1), out=buf[:, 0])
+    wq.mul_(q)
+    sums = _seqsum(buf)
+    sumqx, sumq2 = sums[0], sums[1]
+    r = _div(sumqx, sumq2)
+    d = torch.where(sumq2[0] > 0, r[0], torch.zeros_like(r[0]))
+    best = d * sumqx[0]
+    for c in range(1, ids.shape[0]):
+        upd = (sumq2[c] > 0) & (sumqx[c] * sumqx[c] > best * sumq2[c])
+        d = torch.where(upd, r[c], d)
+        best = torch.where(upd, d * sumqx[c], best)
+    return torch.where(zero, torch.zeros_like(d), d)
+
+
+# ----------------------------------------------------------------------------
+# per-type encoders: x is (block_size, nb) float32, returns (type_size, nb) int32
+# ----------------------------------------------------------------------------
+
+def _enc_q8_0(x, qw, ctx):
+    amax = x.abs().amax(0)
+    d = _div(amax, 127.0)
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    v = x * idd
+    # roundf: half away from zero
+    t = torch.trunc(v)
+    frac = (v - t).abs()
+    r = torch.where(frac >= 0.5, t + torch.sign(v), t)
+    q = _i8(r.to(torch.int32)) & 0xFF
+    return torch.cat([_f16_bytes(d), q])
+
+
+def _enc_q4_0(x, qw, ctx):
+    if qw is not None:
+        w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
+        d, L = _make_qx_quants(x, 8, w)
+        Li = L.to(torch.int32)
+        return torch.cat([_f16_bytes(d), _pack_nibbles_halves(Li)])
+    _, mx = _signed_absmax(x)
+    d = _div(mx, -8.0)
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    q = _i8((x * idd + 8.5).to(torch.int32)).clamp(max=15) & 0xFF
+    return torch.cat([_f16_bytes(d), _pack_nibbles_halves(q)])
+
+
+def _enc_q5_0(x, qw, ctx):
+    if qw is not None:
+        w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
+        d, L = _make_qx_quants(x, 16, w)
+        q = L.to(torch.int32)
+    else:
+        _, mx = _signed_absmax(x)
+        d = _div(mx, -16.0)
+        idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+        q = _i8((x * idd + 16.5).to(torch.int32)).clamp(max=31) & 0xFF
+    qh = _bits32((q >> 4) & 1)
+    return torch.cat([_f16_bytes(d), qh, _pack_nibbles_halves(q & 0xF)])
+
+
+def _enc_q4_1(x, qw, ctx):
+    if qw is not None:
+        w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
+        d, the_min, L = _make_qkx_quants(x, w, 15, -0.9, 0.05, 36, False)
+        m = -the_min
+        q = L.to(torch.int32)
+    else:
+        mn = _first_min(x)
+        mx = _first_max(x)
+        d = _div(mx - mn, 15.0)
+        idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+        q = _i8(((x - mn) * idd + 0.5).to(torch.int32)).clamp(max=15) & 0xFF
+        m = mn
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), _pack_nibbles_halves(q)])
+
+
+def _enc_q5_1(x, qw, ctx):
+    if qw is not None:
+        w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
+        d, the_min, L = _make_qkx_quants(x, w, 31, -0.9, 0.05, 36, False)
+        m = -the_min
+        q = L.to(torch.int32)
+    else:
+        mn = _first_min(x)
+        mx = _first_max(x)
+        d = _div(mx - mn, 31.0)
+        idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+        q = _u8(((x - mn) * idd + 0.5).to(torch.int32))
+        m = mn
+    qh = _bits32((q >> 4) & 1)
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, _pack_nibbles_halves(q & 0xF)])
+
+
+def _sumsq_seq(x):
+    return _seqsum(x * x)
+
+
+def _enc_q2_k(x, qw, ctx):
+    nb = x.shape[1]
+    xs = _sub(x, 16)                                        # (16, 16*nb)
+    if qw is None:
+        w = xs.abs()
+        sc, mins, L = _make_qkx_quants(xs, w, 3, -0.5, 0.1, 15, True)
+        scales = sc.view(16, nb)
+        mins = mins.view(16, nb)
+        max_scale = _pos_max(scales)
+        max_min = _pos_max(mins)
+        has_s = max_scale > 0
+        ls = _u8(_nearest_int(_div(15.0, max_scale).unsqueeze(0) * scales))
+        ls = torch.where(has_s.unsqueeze(0), ls, torch.zeros_like(ls))
+        d = _div(max_scale, 15.0)
+        has_m = max_min > 0
+        lm = _nearest_int(_div(15.0, max_min).unsqueeze(0) * mins)
+        sbyte = _u8(ls | torch.where(has_m.unsqueeze(0), lm << 4, torch.zeros_like(lm)))
+        dmin = _div(max_min, 15.0)
+    else:
+        sigma2 = _div(_sumsq_seq(x), 256.0)                 # (nb,)
+        s2 = sigma2.repeat(16)                               # column j*nb+b -> b
+        w = _sub(qw, 16) * _sqrt(s2.unsqueeze(0) + xs * xs)
+        sw = _seqsum(w).view(16, nb)
+        sc, mins, L = _make_qkx_quants(xs, w, 3, -0.9, 0.05, 36, False)
+        d, Ls = _make_qp_quants(sc.view(16, nb), 15, sw)
+        dmin, Lm = _make_qp_quants(mins.view(16, nb), 15, sw)
+        sbyte = _u8(Ls.to(torch.int32) | (Lm.to(torch.int32) << 4))
+    dh = _f16r(d)
+    mh = _f16r(dmin)
+    dq = dh.unsqueeze(0) * (sbyte & 0xF).to(_F32)          # (16, nb)
+    dm = mh.unsqueeze(0) * (sbyte >> 4).to(_F32)
+    X = x.view(16, 16, nb)
+    lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, 3)
+    L = _unsub(L, 256, nb).view(16, 16, nb)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    return torch.cat([sbyte, _pack_2bit(L), _f16_bytes(d), _f16_bytes(dmin)])
+
+
+def _pack_q3_scales(s):
+    """s: (16, nb) int 0..63 -> (12, nb)."""
+    low = (s[:8] & 0xF) | ((s[8:] & 0xF) << 4)
+    hi = (s >> 4) & 3
+    hv = hi.view(4, 4, -1)           # [k, i] -> j = 4k + i
+    high = hv[0] | (hv[1] << 2) | (hv[2] << 4) | (hv[3] << 6)
+    return torch.cat([low, high])
+
+
+def _enc_q3_k(x, qw, ctx):
+    nb = x.shape[1]
+    xs = _sub(x, 16)
+    if qw is None:
+        sc, L = _make_q3_quants(xs, 4)
+        scales = sc.view(16, nb)
+        _, max_scale = _signed_absmax(scales)
+        nz = max_scale != 0
+        iscale = _div(-32.0, max_scale)
+        l = _i8(_nearest_int(iscale.unsqueeze(0) * scales)).clamp(-32, 31) + 32
+        s = torch.where(nz.unsqueeze(0), l, torch.zeros_like(l))
+        d = torch.where(nz, _recip(iscale), torch.zeros_like(iscale))
+    else:
+        sigma2 = _div(2 * _sumsq_seq(x), 256.0)
+        s2 = sigma2.repeat(16)
+        w = _sub(qw, 16) * _sqrt(s2.unsqueeze(0) + xs * xs)
+        sw = _seqsum(w).view(16, nb)
+        sc, L = _make_qx_quants(xs, 4, w)
+        d, Ls = _make_qx_quants(sc.view(16, nb), 32, sw)
+        s = Ls.to(torch.int32)
+    dh = _f16r(d)
+    dq = dh.unsqueeze(0) * (s - 32).to(_F32)
+    X = x.view(16, 16, nb)
+    lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -4, 3) + 4
+    L = _unsub(L, 256, nb).view(16, 16, nb)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    hb = (L > 3).to(torch.int32)
+    low = L & 3
+    hv = hb.view(8, 32, nb)
+    sh = torch.arange(8, device=x.device, dtype=torch.int32).view(8, 1, 1)
+    hmask = (hv << sh).sum(0)
+    return torch.cat([hmask, _pack_2bit(low), _pack_q3_scales(s), _f16_bytes(d)])
+
+
+def _pack_k4_scales(ls, lm):
+    """ls, lm: (8, nb) int 0..63 -> (12, nb) (get_scale_min_k4 layout)."""
+    b0 = ls[:4] | ((ls[4:] >> 4) << 6)
+    b1 = lm[:4] | ((lm[4:] >> 4) << 6)
+    b2 = (ls[4:] & 0xF) | ((lm[4:] & 0xF) << 4)
+    return torch.cat([b0, b1, b2])
+
+
+def _k45_common(x, qw, nmax, rmin, rdelta, nstep):
+    nb = x.shape[1]
+    xs = _sub(x, 32)                                          # (32, 8*nb)
+    if qw is None:
+        sum_x2 = _sumsq_seq(xs)
+        av = _sqrt(_div(sum_x2, 32.0))
+        w = av.unsqueeze(0) + xs.abs()
+        sc, mins, L = _make_qkx_quants(xs, w, nmax, rmin, rdelta, nstep, False)
+        scales = sc.view(8, nb)
+        mins = mins.view(8, nb)
+        max_scale = _pos_max(scales)
+        max_min = _pos_max(mins)
+        inv_s = torch.where(max_scale > 0, _div(63.0, max_scale), torch.zeros_like(max_scale))
+        inv_m = torch.where(max_min > 0, _div(63.0, max_min), torch.zeros_like(max_min))
+        ls = _u8(_nearest_int(inv_s.unsqueeze(0) * scales)).clamp(max=63)
+        lm = _u8(_nearest_int(inv_m.unsqueeze(0) * mins)).clamp(max=63)
+        d = _div(max_scale, 63.0)
+        dmin = _div(max_min, 63.0)
+    else:
+        sigma2 = _div(2 * _sumsq_seq(x), 256.0)
+        s2 = sigma2.repeat(8)
+        w = _sub(qw, 32) * _sqrt(s2.unsqueeze(0) + xs * xs)
+        sw = _seqsum(w).view(8, nb)
+        sc, mins, L = _make_qkx_quants(xs, w, nmax, -0.9, 0.05, 36, False)
+        d, Ls = _make_qp_quants(sc.view(8, nb), 63, sw)
+        dmin, Lm = _make_qp_quants(mins.view(8, nb), 63, sw)
+        ls = Ls.to(torch.int32)
+        lm = Lm.to(torch.int32)
+    dq = _f16r(d).unsqueeze(0) * ls.to(_F32)
+    dm = _f16r(dmin).unsqueeze(0) * lm.to(_F32)
+    X = x.view(8, 32, nb)
+    lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, nmax)
+    L = _unsub(L, 256, nb).view(8, 32, nb)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    head = torch.cat([_f16_bytes(d), _f16_bytes(dmin), _pack_k4_scales(ls & 0xFF, lm & 0xFF)])
+    return head, L
+
+
+def _pack_k_nibbles(L):
+    """(256, nb) -> (128, nb): qs[32c+l] = L[64c+l] | L[64c+32+l] << 4."""
+    nb = L.shape[1]
+    v = L.view(4, 2, 32, nb)
+    return (v[:, 0] | (v[:, 1] << 4)).reshape(128, nb)
+
+
+def _enc_q4_k(x, qw, ctx):
+    head, L = _k45_common(x, qw, 15, -1.0, 0.1, 20)
+    return torch.cat([head, _pack_k_nibbles(L)])
+
+
+def _enc_q5_k(x, qw, ctx):
+    head, L = _k45_common(x, qw, 31, -0.5, 0.1, 15)
+    hb = (L >> 4) & 1
+    nb = L.shape[1]
+    hv = hb.view(8, 32, nb)
+    sh = torch.arange(8, device=x.device, dtype=torch.int32).view(8, 1, 1)
+    qh = (hv << sh).sum(0)
+    return torch.cat([head, qh, _pack_k_nibbles(L & 0xF)])
+
+
+def _enc_q6_k(x, qw, ctx):
+    nb = x.shape[1]
+    xs = _sub(x, 16)
+    sc, L = _make_qx_quants(xs, 32, None if qw is None else _sub(qw, 16))
+    scales = sc.view(16, nb)
+    amax, max_scale = _signed_absmax(scales)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = _div(-128.0, max_scale)
+    d = _recip(iscale)
+    s = _i8(_nearest_int(iscale.unsqueeze(0) * scales).clamp(max=127))
+    dq = _f16r(d).unsqueeze(0) * s.to(_F32)
+    X = x.view(16, 16, nb)
+    lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -32, 31) + 32
+    L = _unsub(L, 256, nb).view(16, 16, nb)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    v = L.view(2, 4, 32, nb)
+    ql = torch.cat([(v[:, 0] & 0xF) | ((v[:, 2] & 0xF) << 4),
+                    (v[:, 1] & 0xF) | ((v[:, 3] & 0xF) << 4)], 1).reshape(128, nb)
+    qh = ((v[:, 0] >> 4) | ((v[:, 1] >> 4) << 2) | ((v[:, 2] >> 4) << 4)
+          | ((v[:, 3] >> 4) << 6)).reshape(64, nb)
+    out = torch.cat([ql, qh, s & 0xFF, _f16_bytes(d)])
+    return torch.where(zero.unsqueeze(0), torch.zeros_like(out), out)
+
+
+def _iq4_weights(x, qw, sbs):
+    if qw is None:
+        return x * x
+    sigma2 = _sumsq_seq(x) * (2.0 / sbs)                     # sigma2 *= 2.f/sbs (exact)
+    return qw * _sqrt(sigma2.unsqueeze(0) + x * x)
+
+
+def _enc_iq4_nl(x, qw, ctx):
+    vals = _iq4_tables(x.device)
+    w = _iq4_weights(x, qw, 32)
+    d = _iq4_block_scales(x, w, vals)
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    L = _best_index_iq4(idd.unsqueeze(0) * x, vals, True).to(torch.int32)
+    return torch.cat([_f16_bytes(d), _pack_nibbles_halves(L)])
+
+
+def _enc_iq4_xs(x, qw, ctx):
+    nb = x.shape[1]
+    vals = _iq4_tables(x.device)
+    w = _iq4_weights(x, qw, 256)
+    xs = _sub(x, 32)
+    scales = _iq4_block_scales(xs, _sub(w, 32), vals).view(8, nb)
+    _, max_scale = _signed_absmax(scales)
+    d = _div(-max_scale, 32.0)
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    l = _nearest_int(idd.unsqueeze(0) * scales).clamp(-32, 31)
+    dl = d.unsqueeze(0) * l.to(_F32)
+    idl = torch.where(dl != 0, _recip(dl), torch.zeros_like(dl))
+    X = x.view(8, 32, nb)
+    L = _best_index_iq4(idl.unsqueeze(1) * X, vals, True).to(torch.int32).reshape(256, nb)
+    s = l + 32
+    lo = s & 0xF
+    scales_l = lo[0::2] | (lo[1::2] << 4)                                    # (4, nb)
+    hi = (s >> 4) & 3
+    sh = (2 * torch.arange(8, device=x.device, dtype=torch.int32)).view(8, 1)
+    sh_val = (hi << sh).sum(0)
+    scales_h = torch.stack([sh_val & 0xFF, (sh_val >> 8) & 0xFF])
+    return torch.cat([_f16_bytes(d), scales_h, scales_l, _pack_nibbles_halves(L)])
+
+
+# (encoder, relative work per element: sizes the chunks, row-sigma needed for imatrix)
+_ENCODERS = {
+    QT.Q8_0: (_enc_q8_0, 1, False),
+    QT.Q4_0: (_enc_q4_0, 1, True),
+    QT.Q4_1: (_enc_q4_1, 1, True),
+    QT.Q5_0: (_enc_q5_0, 1, True),
+    QT.Q5_1: (_enc_q5_1, 1, True),
+    QT.Q2_K: (_enc_q2_k, 4, False),
+    QT.Q3_K: (_enc_q3_k, 1, False),
+    QT.Q4_K: (_enc_q4_k, 4, False),
+    QT.Q5_K: (_enc_q5_k, 4, False),
+    QT.Q6_K: (_enc_q6_k, 19, False),
+    QT.IQ4_NL: (_enc_iq4_nl, 16, False),
+    QT.IQ4_XS: (_enc_iq4_xs, 16, False),
+}
+# with an importance matrix the legacy types run a 19/37-candidate search
+_IMATRIX_WORK = {QT.Q4_0: 19, QT.Q5_0: 19, QT.Q4_1: 4, QT.Q5_1: 4, QT.Q2_K: 4,
+                 QT.Q3_K: 19, QT.Q4_K: 4, QT.Q5_K: 4}
+# types whose llama.cpp quantizer ignores the importance matrix
+_IMATRIX_IGNORED = {QT.Q8_0, QT.F32, QT.F16, QT.BF16}
+
+
+def _chunk_elems(device: torch.device) -> int:
+    return (1 << 26) if device.type == "cuda" else (1 << 20)
+
+
+def _bf16_bits(xf: torch.Tensor) -> torch.Tensor:
+    """ggml_compute_fp32_to_bf16 bits as int16.  torch's float->bfloat16 cast is
+    the same round-to-nearest-even without flushing subnormals; only NaN
+    differs (ggml keeps sign and payload and sets the quiet bit)."""
+    bits = xf.to(torch.bfloat16).view(torch.int16)
+    nan = torch.isnan(xf)
+    if bool(nan.any()):
+        u = xf.view(torch.int32)
+        nb = (((u >> 16) | 64) & 0xFFFF).to(torch.int16)   # int32 -> int16 keeps the low bits
+        bits = torch.where(nan, nb, bits)
+    return bits
+
+
+def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
+             imatrix: torch.Tensor | None = None) -> np.ndarray:
+    """Encode a 2-D tensor (rows, n_per_row) into GGML blocks.
+
+    Returns a uint8 array (rows, bytes_per_row), byte-identical to
+    llama.cpp's ``ggml_quantize_chunk`` (imatrix=NULL unless ``imatrix`` is
+    given, in which case the importance-weighted quantizers are used like
+    llama-quantize does).  Runs with torch ops on ``x.device``.
+    """
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"unsupported quantization type {qtype.name}")
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"expected a floating point tensor, got {x.dtype}")
+    rows, n = x.shape
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if n % bs != 0:
+        raise ValueError(f"{qtype.name}: row length {n} is not a multiple of the block size {bs}")
+
+    if qtype == QT.F32:
+        return x.detach().to(_F32).contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 4)
+    if qtype == QT.F16:
+        xd = x.detach()
+        h = xd.to(torch.float16)
+        bits = h.view(torch.int16)
+        if xd.dtype != torch.float16:
+            nan = torch.isnan(xd)
+            if bool(nan.any()):
+                sign = torch.signbit(xd).to(torch.int16) * torch.tensor(-32768, dtype=torch.int16, device=xd.device)
+                bits = torch.where(nan, sign | 0x7E00, bits)
+        return bits.contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 2)
+    if qtype == QT.BF16:
+        xd = x.detach()
+        if xd.dtype == torch.bfloat16:
+            bits = xd.view(torch.int16)
+        else:
+            bits = _bf16_bits(xd.to(_F32).contiguous())
+        return bits.contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 2)
+
+    enc, work, row_sigma = _ENCODERS[qtype]
+    xf = x.detach().to(_F32).contiguous()
+    dev = xf.device
+    qw_rows = None
+    sigma_row = None
+    if imatrix is not None and qtype not in _IMATRIX_IGNORED:
+        qw_rows = torch.as_tensor(imatrix).detach().to(device=dev, dtype=_F32).reshape(-1)
+        if qw_rows.numel() != n:
+            raise ValueError(f"imatrix has {qw_rows.numel()} entries, expected {n}")
+        work = _IMATRIX_WORK.get(qtype, work)
+        if row_sigma:
+            # sum_x2 over the whole row, sequential, then / n_per_row
+            acc = torch.zeros(rows, dtype=_F32, device=dev)
+            xt = xf.t()
+            for j in range(n):
+                acc.add_(xt[j] * xt[j])
+            sigma_row = _div(acc, float(n))
+
+    nbr = n // bs
+    nblocks = rows * nbr
+    blocks = xf.view(nblocks, bs)
+    qwb_all = qw_rows.view(nbr, bs) if qw_rows is not None else None
+    out = torch.empty((nblocks, ts), dtype=torch.uint8, device=dev)
+    step = max(1, _chunk_elems(dev) // (bs * work))
+    for s in range(0, nblocks, step):
+        e = min(nblocks, s + step)
+        xb = blocks[s:e].t().contiguous()
+        qwb = None
+        ctx = {}
+        if qwb_all is not None:
+            bidx = torch.arange(s, e, device=dev) % nbr
+            qwb = qwb_all[bidx].t().contiguous()
+            if sigma_row is not None:
+                ctx["sigma2"] = sigma_row[torch.arange(s, e, device=dev) // nbr]
+        res = enc(xb, qwb, ctx)
+        assert res.shape[0] == ts, (qtype, res.shape)
+        out[s:e] = res.t().to(torch.uint8)
+    return out.view(rows, nbr * ts).cpu().numpy()
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape) -> torch.Tensor:
+    """Decode GGML bytes back to float32 (thin wrapper around gguf.quants.dequantize)."""
+    qtype = GGMLQuantizationType(qtype)
+    arr = np.ascontiguousarray(np.asarray(data, dtype=np.uint8))
+    if qtype == QT.BF16:
+        vals = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        vals = _gguf_quants.dequantize(arr, qtype)
+    return torch.from_numpy(np.array(vals, dtype=np.float32, copy=True)).reshape(tuple(shape))

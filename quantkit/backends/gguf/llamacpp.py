@@ -1,0 +1,59 @@
+"""llama.cpp as the reference consumer of GGUF files, through llama-cpp-python (optional).
+
+Used to check quantkit's files in the runtime that will load them: logits for
+the evaluation harness, and llama.cpp's own quantizer for byte comparisons.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import DependencyError, SourceError
+
+
+def load_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise DependencyError("llama.cpp is not installed: pip install 'quantkit[llamacpp]'") from e
+    return llama_cpp
+
+
+def available() -> bool:
+    try:
+        load_llama_cpp()
+        return True
+    except DependencyError:
+        return False
+
+
+def quantize(src: Path, dst: Path, file_type: int, threads: int | None = None) -> None:
+    """llama-quantize SRC DST FTYPE (llama.cpp's own quantizer, no importance matrix)."""
+    lc = load_llama_cpp()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = int(file_type)
+    params.nthread = threads or os.cpu_count() or 1
+    rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise SourceError(f"llama.cpp failed to quantize {src} (code {rc})")
+
+
+def window_logits(path: Path, tokens: torch.Tensor, threads: int | None = None):
+    """Yield llama.cpp's logits (ctx, vocab) for each window, each evaluated from an empty context."""
+    lc = load_llama_cpp()
+    ctx = tokens.shape[1]
+    try:
+        model = lc.Llama(str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True, verbose=False,
+                         n_threads=threads or os.cpu_count() or 1)
+    except ValueError as e:
+        raise SourceError(f"{path}: llama.cpp cannot load this file ({e})") from None
+    try:
+        for window in tokens.tolist():
+            model.reset()
+            model.eval(window)
+            yield torch.from_numpy(np.array(model.scores[:ctx], dtype=np.float32))
+    finally:
+        model.close()

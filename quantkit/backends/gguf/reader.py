@@ -1,0 +1,140 @@
+"""Read a GGUF file back: a description for `inspect`, and a dequantized DenseModel for `eval`."""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ...errors import SourceError, UnsupportedArchitectureError
+from ...model.adapters import adapter_for
+from ...model.config import ModelConfig
+from . import encoders
+from .tensors import ARCHES, unpermute_qk
+
+_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+         "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+         "attention.key_length", "vocab_size")
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise SourceError(f"{path}: not a readable GGUF file ({e})".splitlines()[0]) from None
+
+
+def field_value(reader: gguf.GGUFReader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return f"[{len(f.data)} strings]"
+        return f"[{len(f.data)} values]"
+    return f.contents()
+
+
+class GGUFModel:
+    """A GGUF file seen as a dense model (weights dequantized one layer at a time)."""
+
+    def __init__(self, path: Path, base=None):
+        self.path = Path(path)
+        self.name = self.path.name
+        self.reader = open_reader(self.path)
+        self.base = base
+        arch = field_value(self.reader, "general.architecture")
+        if arch not in ARCHES:
+            raise UnsupportedArchitectureError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                                               f"supported: {', '.join(ARCHES)}")
+        self.adapter = adapter_for(arch)
+        kv = {k: field_value(self.reader, f"{arch}.{k}") for k in _KEYS}
+        if kv["embedding_length"] is None or kv["block_count"] is None:
+            raise SourceError(f"{path}: missing {arch} hyper-parameters")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        n_vocab = int(self.tensors["token_embd.weight"].shape[1])
+        heads = kv["attention.head_count"]
+        raw = {"model_type": arch, "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
+               "num_attention_heads": heads, "num_key_value_heads": kv["attention.head_count_kv"] or heads,
+               "head_dim": kv["attention.key_length"] or kv["rope.dimension_count"] or kv["embedding_length"] // heads,
+               "intermediate_size": kv["feed_forward_length"], "vocab_size": n_vocab,
+               "rms_norm_eps": kv["attention.layer_norm_rms_epsilon"], "rope_theta": kv["rope.freq_base"] or 10000.0,
+               "tie_word_embeddings": "output.weight" not in self.tensors,
+               "max_position_embeddings": kv["context_length"] or 2048}
+        if "rope_freqs.weight" in self.tensors:
+            raise UnsupportedArchitectureError(f"{path}: llama3 rope frequency factors are not supported by the reader yet")
+        self.config = ModelConfig.from_dict(raw, where=str(path))
+        self.num_layers = self.config.num_layers
+        self._names = gguf.get_tensor_name_map(ARCHES[arch], self.num_layers)
+
+    @cached_property
+    def tokenizer(self):
+        if self.base is not None:
+            return self.base.tokenizer
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except Exception as e:
+            raise SourceError(f"{self.path}: cannot build a tokenizer from the GGUF file ({e}); pass --base MODEL"
+                              .splitlines()[0]) from None
+
+    def gguf_tensor(self, name: str) -> torch.Tensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise SourceError(f"{self.path}: tensor {name} missing")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # torch order
+        # GGUFReader hands float tensors back typed and quantized ones as bytes: give the decoder bytes, row by row.
+        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1, int(t.n_bytes) // max(1, int(np.prod(shape[:-1]))))
+        return encoders.dequantize(raw, t.tensor_type, shape)
+
+    def _hf(self, hf_name: str) -> torch.Tensor:
+        gname = self._names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        w = self.gguf_tensor(gname)
+        if self.adapter.gguf_permute_qk:
+            if ".q_proj." in hf_name:
+                w = unpermute_qk(w, self.config.num_heads)
+            elif ".k_proj." in hf_name:
+                w = unpermute_qk(w, self.config.num_kv_heads)
+        return w
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        prefix = self.adapter.prefix(i)
+        return {n: self._hf(prefix + n) for n in self.adapter.layer_tensor_names()}
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.gguf_tensor("token_embd.weight")
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.gguf_tensor("output_norm.weight")
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.gguf_tensor("output.weight" if "output.weight" in self.tensors else "token_embd.weight")
+
+
+def describe(path: Path) -> dict:
+    reader = open_reader(path)
+    rows, total_bytes, total_weights = [], 0, 0
+    for t in reader.tensors:
+        qtype = gguf.GGMLQuantizationType(t.tensor_type)
+        n = int(t.n_elements)
+        rows.append({"name": t.name, "shape": [int(d) for d in t.shape.tolist()], "type": qtype.name,
+                     "bpw": round(8 * int(t.n_bytes) / n, 4)})
+        total_bytes += int(t.n_bytes)
+        total_weights += n
+    metadata = {}
+    for key in reader.fields:
+        if key.startswith("GGUF."):
+            continue
+        metadata[key] = field_value(reader, key)
+    ftype = metadata.get("general.file_type")
+    try:
+        ftype_name = gguf.LlamaFileType(ftype).name if ftype is not None else None
+    except ValueError:
+        ftype_name = str(ftype)
+    return {"kind": "gguf", "file": str(path), "file_size": path.stat().st_size,
+            "architecture": metadata.get("general.architecture"), "name": metadata.get("general.name"),
+            "file_type": ftype_name, "tensor_count": len(rows), "parameters": total_weights,
+            "bits_per_weight": round(8 * total_bytes / max(total_weights, 1), 4),
+            "metadata": metadata, "tensors": rows}

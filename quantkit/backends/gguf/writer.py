@@ -1,0 +1,81 @@
+"""Write several GGUF files from one read of the source, one tensor in memory at a time.
+
+Every tensor's size is known from the plan, so each file's header and tensor
+table are written first; then each source tensor is read once, quantized to
+every type the files ask for (once per distinct type) and appended to each file.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ...artifact import atomic_file
+from ...errors import QuantizationError
+from ...model.checkpoint import Checkpoint
+from ...progress import Progress
+from . import encoders
+from .metadata import add_hparams, add_tokenizer
+from .tensors import GGUFTensor, load_source
+
+
+@dataclass
+class FileJob:
+    path: Path
+    file_type: int                                  # general.file_type
+    types: dict[str, gguf.GGMLQuantizationType]     # GGUF tensor name -> type
+
+
+def byte_shape(t: GGUFTensor, qtype: gguf.GGMLQuantizationType) -> tuple[int, ...]:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return (*t.shape[:-1], t.shape[-1] // block * size)
+
+
+def tensor_nbytes(t: GGUFTensor, qtype: gguf.GGMLQuantizationType) -> int:
+    return int(np.prod(byte_shape(t, qtype)))
+
+
+def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob], *, name: str,
+                device: torch.device, tokenizer_pre: str | None, progress: Progress) -> list[Path]:
+    arch = model.adapter.gguf_arch
+    template = gguf.GGUFWriter(None, arch)
+    add_hparams(template, model, name=name)
+    add_tokenizer(template, model, tokenizer_pre)
+    with ExitStack() as stack:
+        writers = []
+        for job in jobs:
+            tmp = stack.enter_context(atomic_file(job.path))
+            w = gguf.GGUFWriter(None, arch)
+            w.kv_data = copy.deepcopy(template.kv_data)
+            w.add_file_type(job.file_type)
+            for t in tensors:
+                q = job.types[t.name]
+                w.add_tensor_info(t.name, byte_shape(t, q), np.dtype(np.uint8), tensor_nbytes(t, q), raw_dtype=q)
+            stack.callback(w.close)
+            w.write_header_to_file(tmp)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            writers.append(w)
+        tasks = [progress.task(job.path.name, total=len(tensors)) for job in jobs]
+        for t in tensors:
+            src = load_source(model, t)
+            if not torch.isfinite(src).all():
+                raise QuantizationError(f"{t.source or t.name}: contains NaN or infinite values; cannot quantize")
+            src = src.to(device).reshape(-1, t.shape[-1])
+            done: dict[gguf.GGMLQuantizationType, np.ndarray] = {}
+            for job, w, task in zip(jobs, writers, tasks):
+                q = job.types[t.name]
+                if q not in done:
+                    done[q] = encoders.quantize(src, q).reshape(byte_shape(t, q))
+                w.write_tensor_data(done[q])
+                task.advance()
+            del src, done
+        for w, task in zip(writers, tasks):
+            w.close()
+            task.done()
+    return [job.path for job in jobs]
