@@ -31,13 +31,15 @@ def list_formats() -> dict[str, Any]:
     return {"installed": installed, "planned": [p for p in PLANNED if p not in installed]}
 
 
-def open_any(spec: str, base: Checkpoint | None = None):
+def open_any(spec: str, base: Checkpoint | None = None, activations: str = "exact"):
     """A model spec, or an artifact file/folder that an installed format can read."""
     path = Path(spec).expanduser()
     if path.exists():
         backend = backend_for_artifact(path)
         if backend is not None:
-            return backend.open_artifact(path, base=base)
+            return backend.open_artifact(path, base=base, activations=activations)
+    if activations != "exact":
+        raise UsageError(f"--activations {activations}: only quantized artifacts have a runtime to emulate")
     return open_model(spec)
 
 
@@ -73,13 +75,15 @@ RUNTIMES = ("quantkit", "llama.cpp")
 
 
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
-             device: str | None = None, runtime: str = "quantkit", progress: Progress = null_progress) -> EvalResult:
+             device: str | None = None, runtime: str = "quantkit", activations: str = "exact",
+             progress: Progress = null_progress) -> EvalResult:
     """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; "llama.cpp"
-    runs a GGUF file in llama.cpp itself (the base model, if any, always runs in quantkit)."""
+    runs a GGUF file in llama.cpp itself (the base model, if any, always runs in quantkit).
+    activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul."""
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     base_model = open_model(base) if base else None
-    model = open_any(spec, base=base_model)
+    model = open_any(spec, base=base_model, activations=activations)
     tokens = load_windows((base_model or model).tokenizer, Path(data), ctx, windows)
     logits = None
     if runtime == "llama.cpp":

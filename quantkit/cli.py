@@ -92,13 +92,15 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
              device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
              runtime: str = typer.Option("quantkit", "--runtime",
                                          help="quantkit (own dequantization) or llama.cpp (GGUF in llama.cpp)."),
+             activations: str = typer.Option("exact", "--activations",
+                                             help="exact, or llama.cpp: round activations as llama.cpp does (GGUF)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
     """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
     from . import api
     from .progress import rich_progress
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
         result = api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device,
-                              runtime=runtime, progress=progress)
+                              runtime=runtime, activations=activations, progress=progress)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return

@@ -190,3 +190,20 @@ def test_tensor_that_cannot_take_the_type(tmp_path):
     proc = run_cli("convert", str(src), "-f", "gguf:Q8_0", "-o", str(tmp_path / "out"), "--tensor-type",
                    "attn_q=q4_k", "--tokenizer-pre", "gpt-2")
     assert proc.returncode == 2 and "attn_q" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_llama_cpp_activation_rounding():
+    from quantkit.backends.gguf.activations import q8_0, q8_k
+    x = torch.randn(3, 512) * torch.linspace(0.1, 5, 512)
+    y = q8_0(x)
+    blocks, yb = x.reshape(3, 16, 32), y.reshape(3, 16, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    assert ((yb - blocks).abs() <= d * 0.5 + 1e-3 * d).all()
+    assert len(torch.unique(torch.round(yb / d.half().float()))) <= 255
+    z = q8_k(x)
+    zb = z.reshape(3, 2, 256)
+    xb = x.reshape(3, 2, 256)
+    idx = xb.abs().argmax(-1, keepdim=True)
+    # the largest-magnitude value of each 256-block is kept exactly (code -127 times its own scale)
+    torch.testing.assert_close(zb.gather(-1, idx), xb.gather(-1, idx))
+    assert not torch.equal(z, x)

@@ -78,8 +78,9 @@ class Backend:
     def can_read(self, path: Path) -> bool:
         return False
 
-    def open_artifact(self, path: Path, base=None):
-        """A DenseModel view of an artifact (dequantized by this format's own reader), for eval."""
+    def open_artifact(self, path: Path, base=None, activations: str = "exact"):
+        """A DenseModel view of an artifact (dequantized by this format's own reader), for eval.
+        `activations` names a runtime whose activation rounding to reproduce ("exact": none)."""
         raise NotImplementedError
 
     def describe_artifact(self, path: Path) -> dict:

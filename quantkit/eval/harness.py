@@ -76,11 +76,13 @@ def final_hidden_states(model: DenseModel, tokens: torch.Tensor, *, device="cpu"
     del emb
     rope = rope_tables(cfg, tokens.shape[1], device, dtype)
     task = progress.task(f"{label} layers", total=model.num_layers)
+    runtime_acts = getattr(model, "activation_fns", None)  # set when emulating a runtime's arithmetic
     for i in range(model.num_layers):
         w = {k: v.to(device) for k, v in model.layer(i).items()}
+        acts = runtime_acts(i) if runtime_acts else None
         for s in range(0, h.shape[0], batch):
             chunk = h[s:s + batch].to(device)
-            h[s:s + batch] = decoder_layer(chunk, w, cfg, adapter, rope).to(h.device)
+            h[s:s + batch] = decoder_layer(chunk, w, cfg, adapter, rope, acts=acts).to(h.device)
         del w
         task.advance()
     task.done()
@@ -121,8 +123,10 @@ def window_logits(model: DenseModel, tokens: torch.Tensor, *, device="cpu", dtyp
     """Yield each window's logits (ctx, vocab), computed from layer-by-layer hidden states."""
     h = final_hidden_states(model, tokens, device=device, dtype=dtype, progress=progress, label=model.name)
     head = model.lm_head_weight().to(device, dtype)
+    head_act = getattr(model, "head_activation_fn", None)
     for wi in range(tokens.shape[0]):
-        yield h[wi].to(device) @ head.T
+        x = h[wi].to(device)
+        yield (head_act(x) if head_act else x) @ head.T
 
 
 @torch.no_grad()

@@ -58,19 +58,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def _linear(x, w, b=None):
+def _linear(x, w, b=None, act=None):
+    if act is not None:  # a runtime's rounding of the activations (e.g. llama.cpp's Q8 blocks)
+        x = act(x)
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig, adapter: ArchAdapter,
-              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+              rope: tuple[torch.Tensor, torch.Tensor], acts: dict | None = None) -> torch.Tensor:
     """Causal grouped-query self-attention over x: (batch, seq, hidden)."""
     b, t, _ = x.shape
     hd = cfg.head_dim
     bias = (lambda n: w[f"self_attn.{n}.bias"]) if adapter.qkv_bias else (lambda n: None)
-    q = _linear(x, w["self_attn.q_proj.weight"], bias("q_proj")).view(b, t, cfg.num_heads, hd)
-    k = _linear(x, w["self_attn.k_proj.weight"], bias("k_proj")).view(b, t, cfg.num_kv_heads, hd)
-    v = _linear(x, w["self_attn.v_proj.weight"], bias("v_proj")).view(b, t, cfg.num_kv_heads, hd)
+    act = (acts or {}).get
+    q = _linear(x, w["self_attn.q_proj.weight"], bias("q_proj"), act("self_attn.q_proj")).view(b, t, cfg.num_heads, hd)
+    k = _linear(x, w["self_attn.k_proj.weight"], bias("k_proj"), act("self_attn.k_proj")).view(b, t, cfg.num_kv_heads, hd)
+    v = _linear(x, w["self_attn.v_proj.weight"], bias("v_proj"), act("self_attn.v_proj")).view(b, t, cfg.num_kv_heads, hd)
     if adapter.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"].to(x.dtype), cfg.rms_norm_eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"].to(x.dtype), cfg.rms_norm_eps)
@@ -87,21 +90,24 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig, ada
 
 
 def decoder_layer(h: torch.Tensor, w: dict[str, torch.Tensor], cfg: ModelConfig, adapter: ArchAdapter,
-                  rope: tuple[torch.Tensor, torch.Tensor], hooks=None) -> torch.Tensor:
+                  rope: tuple[torch.Tensor, torch.Tensor], hooks=None, acts: dict | None = None) -> torch.Tensor:
     """One pre-norm decoder layer.  `hooks(name, x)` (optional) sees each linear group's input,
-    which is where calibration collects its statistics."""
+    which is where calibration collects its statistics; `acts` (optional) maps a linear's name to a
+    function applied to its input, to reproduce a runtime's activation rounding."""
     eps = cfg.rms_norm_eps
+    act = (acts or {}).get
     x = rms_norm(h, w["input_layernorm.weight"].to(h.dtype), eps)
     if hooks:
         hooks("attn_in", x)
-    a = attention(x, w, cfg, adapter, rope)
+    a = attention(x, w, cfg, adapter, rope, acts)
     if hooks:
         hooks("attn_out", a)
-    h = h + _linear(a, w["self_attn.o_proj.weight"])
+    h = h + _linear(a, w["self_attn.o_proj.weight"], act=act("self_attn.o_proj"))
     x = rms_norm(h, w["post_attention_layernorm.weight"].to(h.dtype), eps)
     if hooks:
         hooks("mlp_in", x)
-    m = F.silu(_linear(x, w["mlp.gate_proj.weight"])) * _linear(x, w["mlp.up_proj.weight"])
+    m = F.silu(_linear(x, w["mlp.gate_proj.weight"], act=act("mlp.gate_proj"))) * \
+        _linear(x, w["mlp.up_proj.weight"], act=act("mlp.up_proj"))
     if hooks:
         hooks("mlp_out", m)
-    return h + _linear(m, w["mlp.down_proj.weight"])
+    return h + _linear(m, w["mlp.down_proj.weight"], act=act("mlp.down_proj"))

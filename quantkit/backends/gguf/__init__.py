@@ -76,8 +76,8 @@ class GGUFBackend(Backend):
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
 
-    def open_artifact(self, path: Path, base=None) -> GGUFModel:
-        return GGUFModel(path, base=base)
+    def open_artifact(self, path: Path, base=None, activations: str = "exact") -> GGUFModel:
+        return GGUFModel(path, base=base, activations=activations)
 
     def describe_artifact(self, path: Path) -> dict:
         return describe(Path(path))

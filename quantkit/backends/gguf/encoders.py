@@ -22,13 +22,20 @@ How bit-exactness is obtained
   float32 are produced by float32 torch ops, like the C float literals.
 * ``nearest_int`` is reproduced with the same magic-number trick
   (x + 1.5*2**23, reinterpret bits), so it matches even outside its nominal
-  range; C casts to small integer types are mirrored with masks.
-* The candidate searches (``make_qx_quants``, ``make_qkx2/3_quants``, the IQ4
-  scale search) evaluate all candidate scales in parallel, then pick the
-  winner with a short sequential pass over the candidates that applies the
-  same strict comparisons as the reference; coordinate-descent passes
-  (``make_q3_quants``, ``make_qp_quants``) loop over positions, vectorized
-  over blocks.
+  range (huge or infinite arguments occur with zero weights or subnormal
+  scales); where an argument is provably below 2**21, torch.round is used
+  instead (identical there, cheaper).  NaN from invalid operations is mapped
+  like x86's default NaN, and C float->int casts follow x86 (cvttss2si), so
+  CPU and CUDA give the same bytes as the x86 build of llama.cpp.
+* sqrtf is computed correctly rounded (torch's CPU float32 sqrt is not always).
+* ``make_qx_quants`` and the IQ4 scale search evaluate all candidate scales in
+  parallel, then pick the winner with a short sequential pass over the
+  candidates that applies the reference's strict comparisons.  In
+  ``make_qkx2/3_quants`` a winning candidate moves the ``min`` that later
+  candidates are computed from, so that search runs candidate by candidate
+  (each step vectorized over all groups).  The coordinate-descent passes
+  (``make_q3_quants``, ``make_qp_quants``) loop over positions, vectorized over
+  groups; groups that stopped changing are dropped from later passes.
 
 Block layouts follow ggml-common.h; see docs/formats/gguf.md section 4.
 """
@@ -78,6 +85,11 @@ def _recip(a: torch.Tensor) -> torch.Tensor:
 
 def _nearest_int(f: torch.Tensor) -> torch.Tensor:
     """ggml nearest_int: add 1.5*2^23 in float32 and take the mantissa bits (int32)."""
+    # NaN here only comes from invalid operations (inf*0, 0/0) in lanes the C
+    # code also evaluates; x86 produces the "default NaN" 0xFFC00000 there, for
+    # which the trick yields 0.  GPUs use another canonical NaN, so map NaN to
+    # 0 explicitly (infinities are kept: the trick maps them to -0x400000).
+    f = torch.nan_to_num(f, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     return ((f + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
 
 
@@ -88,8 +100,24 @@ def _ni(f: torch.Tensor) -> torch.Tensor:
 
 def _rnd(f: torch.Tensor) -> torch.Tensor:
     """nearest_int for arguments known to satisfy |f| < 2**22 (the range where
-    the magic-number trick is exactly round-half-to-even): one fused op."""
+    the magic-number trick is exactly round-half-to-even), or in lanes that
+    are masked out afterwards."""
     return torch.round(f)
+
+
+_SAFE_ROUND = float(2 ** 21)
+
+
+def _round_ni(f: torch.Tensor, exact: bool) -> torch.Tensor:
+    """nearest_int as float32: the bit-exact emulation when some |f| may reach
+    2**22 (where the C magic-number trick stops being a rounding), else the
+    cheaper torch.round (identical below that)."""
+    return _ni(f) if exact else torch.round(f)
+
+
+def _any_big(bound: torch.Tensor) -> bool:
+    """True if some lane may hold |f| >= 2**21 (conservative; NaN counts as big)."""
+    return bool((~(bound < _SAFE_ROUND)).any())
 
 
 def _clampf(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -152,6 +180,13 @@ def _pos_max(t: torch.Tensor) -> torch.Tensor:
     """Over dim 0: the C idiom ``m = 0; if (v > m) m = v;`` (+0.0 when nothing is positive)."""
     m = t.amax(0)
     return torch.where(m > 0, m, torch.zeros_like(m))
+
+
+def _cvt_i32(v: torch.Tensor) -> torch.Tensor:
+    """C float -> int conversion as x86 does it (cvttss2si): truncation, and
+    INT_MIN for NaN / out-of-range values (GPUs saturate instead)."""
+    ok = v.abs() < 2147483648.0
+    return torch.where(ok, v, torch.full_like(v, -2147483648.0)).to(torch.int32)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -277,12 +312,12 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
             wi, wxi, xi, Li = wa[i], wxa[i], xa[i], La[i]
             slx = slx_a - wxi * Li
             sl2 = sl2_a - (wi * Li) * Li
-            new_l = _clampf(_ni(_div(xi * sl2, slx)), -nmax, nmax - 1)
+            new_l = _nearest_int(_div(xi * sl2, slx)).clamp_(-nmax, nmax - 1).to(_F32)
             slx_n = slx + wxi * new_l
             sl2_n = sl2 + (wi * new_l) * new_l
             acc = ((slx > 0) & (new_l != Li) & (sl2_n > 0)
                    & ((slx_n * slx_n) * sl2_a > (slx_a * slx_a) * sl2_n))
-            La[i] = torch.where(acc, new_l, Li)
+            torch.where(acc, new_l, Li, out=Li)
             slx_a = torch.where(acc, slx_n, slx_a)
             sl2_a = torch.where(acc, sl2_n, sl2_a)
             changed |= acc
@@ -308,6 +343,7 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     """make_qkx2_quants / make_qkx3_quants (identical once weights are explicit).
     x, w: (n, m).  Returns (scale (m,), the_min (m,) = -min >= 0, L (n, m) float32)."""
     mn = _first_min(x)
+    xmin = mn
     mx = x.amax(0)
     wx = w * x
     sum_w = _seqsum(w, from_zero=False)
@@ -318,7 +354,9 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     xm = x - mn
     iscale = _div(float(nmax), rng)
     scale = _recip(iscale)
-    L = _rnd(iscale * xm).clamp_(0, nmax)
+    # iscale overflows to inf for subnormal ranges: then emulate nearest_int
+    big0 = _any_big(torch.where(degenerate, torch.zeros_like(iscale), iscale.abs() * rng))
+    L = _round_ni(iscale * xm, big0).clamp_(0, nmax)
     diff = scale * L + mn - x
     diff = diff.abs() if use_mad else diff * diff
     best = _seqsum(w * diff)
@@ -338,8 +376,11 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     wl, wl2, wlx = buf[:, 0], buf[:, 1], buf[:, 2]
     for c in range(nstep + 1):
         isc = _div(nums[c], mx - cur)
-        # |isc*(x-cur)| stays O(nmax) (cur <= max), so rounding == nearest_int
-        la = torch.sub(x, cur).mul_(isc).round_().clamp_(0, nmax)
+        # cur (a least-squares min) can lie above the smallest x when weights
+        # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
+        bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
+        bound = torch.where(degenerate, torch.zeros_like(bound), bound)
+        la = _round_ni(torch.sub(x, cur).mul_(isc), _any_big(bound)).clamp_(0, nmax)
         torch.mul(w, la, out=wl)
         torch.mul(wl, la, out=wl2)
         torch.mul(wl, x, out=wlx)
@@ -365,7 +406,9 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         won |= upd
         cur = torch.where(upd, this_min, cur)
     # rebuild the winning candidate's L (same ops => same values)
-    la = torch.sub(x, cur_w).mul_(isc_w).round_().clamp_(0, nmax)
+    bound = isc_w.abs() * torch.maximum((xmin - cur_w).abs(), (mx - cur_w).abs())
+    bound = torch.where(won, bound, torch.zeros_like(bound))
+    la = _round_ni(torch.sub(x, cur_w).mul_(isc_w), _any_big(bound)).clamp_(0, nmax)
     L = torch.where(won.unsqueeze(0), la, L)
     mn_best = cur
     L = torch.where(degenerate.unsqueeze(0), torch.zeros_like(L), L)
@@ -380,7 +423,7 @@ def _make_qp_quants(x: torch.Tensor, nmax: int, w: torch.Tensor):
     mx = _pos_max(x)
     zero = mx < _GROUP_MAX_EPS
     iscale = _div(float(nmax), mx)
-    L = _ni(iscale * x)
+    L = _u8(_nearest_int(iscale * x)).to(_F32)      # stored in uint8_t L[]
     scale = _recip(iscale)
     diff = x - scale * L
     best = _seqsum((w * diff) * diff)
@@ -388,7 +431,8 @@ def _make_qp_quants(x: torch.Tensor, nmax: int, w: torch.Tensor):
     nums = (torch.tensor(0.1, dtype=_F32) * torch.tensor(iss, dtype=_F32) + float(nmax)).to(x.device)
     isc = _div(nums.unsqueeze(1), mx.unsqueeze(0))                       # (C, m)
     ssc = _recip(isc)
-    l = _rnd(isc.unsqueeze(0) * x.unsqueeze(1)).clamp_(max=nmax)
+    bound = torch.where(zero, torch.zeros_like(mx), isc.abs().amax(0) * x.abs().amax(0))
+    l = _round_ni(isc.unsqueeze(0) * x.unsqueeze(1), _any_big(bound)).clamp_(max=nmax)
     diff = x.unsqueeze(1) - ssc.unsqueeze(0) * l
     mse = _seqsum((w.unsqueeze(1) * diff) * diff)
     for c in range(len(iss)):
@@ -508,7 +552,7 @@ def _enc_q8_0(x, qw, ctx):
     t = torch.trunc(v)
     frac = (v - t).abs()
     r = torch.where(frac >= 0.5, t + torch.sign(v), t)
-    q = _i8(r.to(torch.int32)) & 0xFF
+    q = _i8(_cvt_i32(r)) & 0xFF
     return torch.cat([_f16_bytes(d), q])
 
 
@@ -521,7 +565,7 @@ def _enc_q4_0(x, qw, ctx):
     _, mx = _signed_absmax(x)
     d = _div(mx, -8.0)
     idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-    q = _i8((x * idd + 8.5).to(torch.int32)).clamp(max=15) & 0xFF
+    q = _i8(_cvt_i32(x * idd + 8.5)).clamp(max=15) & 0xFF
     return torch.cat([_f16_bytes(d), _pack_nibbles_halves(q)])
 
 
@@ -534,7 +578,7 @@ def _enc_q5_0(x, qw, ctx):
         _, mx = _signed_absmax(x)
         d = _div(mx, -16.0)
         idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-        q = _i8((x * idd + 16.5).to(torch.int32)).clamp(max=31) & 0xFF
+        q = _i8(_cvt_i32(x * idd + 16.5)).clamp(max=31) & 0xFF
     qh = _bits32((q >> 4) & 1)
     return torch.cat([_f16_bytes(d), qh, _pack_nibbles_halves(q & 0xF)])
 
@@ -550,7 +594,7 @@ def _enc_q4_1(x, qw, ctx):
         mx = _first_max(x)
         d = _div(mx - mn, 15.0)
         idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-        q = _i8(((x - mn) * idd + 0.5).to(torch.int32)).clamp(max=15) & 0xFF
+        q = _i8(_cvt_i32((x - mn) * idd + 0.5)).clamp(max=15) & 0xFF
         m = mn
     return torch.cat([_f16_bytes(d), _f16_bytes(m), _pack_nibbles_halves(q)])
 
@@ -566,7 +610,7 @@ def _enc_q5_1(x, qw, ctx):
         mx = _first_max(x)
         d = _div(mx - mn, 31.0)
         idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-        q = _u8(((x - mn) * idd + 0.5).to(torch.int32))
+        q = _u8(_cvt_i32((x - mn) * idd + 0.5))
         m = mn
     qh = _bits32((q >> 4) & 1)
     return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, _pack_nibbles_halves(q & 0xF)])
@@ -860,8 +904,9 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
         if xd.dtype != torch.float16:
             nan = torch.isnan(xd)
             if bool(nan.any()):
-                sign = torch.signbit(xd).to(torch.int16) * torch.tensor(-32768, dtype=torch.int16, device=xd.device)
-                bits = torch.where(nan, sign | 0x7E00, bits)
+                # ggml's converter writes NaN as sign | 0x7E00
+                sign = (xd.to(_F32).view(torch.int32) >> 16) & 0x8000
+                bits = torch.where(nan, (sign | 0x7E00).to(torch.int16), bits)
         return bits.contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 2)
     if qtype == QT.BF16:
         xd = x.detach()

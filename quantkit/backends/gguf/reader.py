@@ -8,10 +8,11 @@ import gguf
 import numpy as np
 import torch
 
-from ...errors import SourceError, UnsupportedArchitectureError
+from ...errors import SourceError, UnsupportedArchitectureError, UsageError
 from ...model.adapters import adapter_for
 from ...model.config import ModelConfig
 from . import encoders
+from .activations import activation_fn
 from .tensors import ARCHES, unpermute_qk
 
 _KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
@@ -40,8 +41,11 @@ def field_value(reader: gguf.GGUFReader, key: str):
 class GGUFModel:
     """A GGUF file seen as a dense model (weights dequantized one layer at a time)."""
 
-    def __init__(self, path: Path, base=None):
+    def __init__(self, path: Path, base=None, activations: str = "exact"):
         self.path = Path(path)
+        if activations not in ("exact", "llama.cpp"):
+            raise UsageError(f"--activations {activations!r}: expected exact or llama.cpp")
+        self.emulate = activations == "llama.cpp"
         self.name = self.path.name
         self.reader = open_reader(self.path)
         self.base = base
@@ -98,6 +102,23 @@ class GGUFModel:
             elif ".k_proj." in hf_name:
                 w = unpermute_qk(w, self.config.num_kv_heads)
         return w
+
+    def _act(self, gguf_name: str):
+        return activation_fn(self.tensors[gguf_name].tensor_type)
+
+    def activation_fns(self, i: int) -> dict | None:
+        """Per linear, llama.cpp's rounding of its input (only when emulating llama.cpp)."""
+        if not self.emulate:
+            return None
+        prefix = self.adapter.prefix(i)
+        return {lin: self._act(self._names.get_name(prefix + lin + ".weight", try_suffixes=(".weight",)))
+                for lin in self.adapter.linears}
+
+    @property
+    def head_activation_fn(self):
+        if not self.emulate:
+            return None
+        return self._act("output.weight" if "output.weight" in self.tensors else "token_embd.weight")
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)

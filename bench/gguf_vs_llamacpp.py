@@ -1,0 +1,258 @@
+"""Benchmark: quantkit's HF -> GGUF against llama.cpp's convert_hf_to_gguf.py + llama-quantize, same run.
+
+For each model (the demo, and a synthetic llama with hidden size 2048 and >= 1 GiB of weights made here)
+and each file type: wall time and peak RSS of both pipelines, whether the tensor data is byte-identical,
+file sizes; for the demo also perplexity, mean KLD and top-1 agreement of every file run in llama.cpp.
+
+llama.cpp's side: its converter is taken from the llama-cpp-python sdist (downloaded into bench/_work, not
+kept in the repo) and writes a BF16 GGUF (lossless for a bf16 checkpoint), then llama-quantize (through
+llama-cpp-python, threads = cores) makes each type. F16/BF16/F32 come straight from the converter.
+
+    python bench/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--models demo,synthetic] [--windows 40]
+
+The driver imports no torch: each measured step runs in its own process, timed with os.wait4, so a child's
+peak RSS is its own (Linux carries ru_maxrss across fork + exec from a large parent).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "_work" / "gguf"
+RESULTS = ROOT / "bench" / "results"
+LLAMA_CPP_PYTHON = "0.3.36"
+ALL_TYPES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_S", "Q4_K_M",
+             "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+FTYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
+             "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+             "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+THREADS = os.cpu_count() or 1
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """Run a command; return (wall seconds, peak RSS bytes of that process alone)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err.decode()[-3000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def llama_cpp_converter() -> Path:
+    """convert_hf_to_gguf.py from the llama-cpp-python sdist matching the installed llama.cpp."""
+    dest = WORK / "llama.cpp"
+    script = dest / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    dl = WORK / "sdist"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(dl),
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    with tarfile.open(next(dl.glob("*.tar.gz"))) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        prefix = f"{top}/vendor/llama.cpp/"
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and
+                   (m.name.startswith(prefix + "conversion/") or m.name.startswith(prefix + "gguf-py/")
+                    or m.name == prefix + "convert_hf_to_gguf.py")]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(dest, members=members, filter="data")
+    return script
+
+
+MAKE_SYNTHETIC = r"""
+import json, shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+hidden, inter, layers, heads, kv, vocab = 2048, 5632, 8, 16, 4, 49152
+cfg = json.loads((src / "config.json").read_text())
+cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+           num_key_value_heads=kv, head_dim=hidden // heads, vocab_size=vocab, tie_word_embeddings=False)
+(out / "config.json").write_text(json.dumps(cfg, indent=2))
+for f in src.iterdir():
+    if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+        shutil.copy(f, out / f.name)
+g = torch.Generator().manual_seed(0)
+# Heavier-tailed than a Gaussian (like trained weights), bf16 like a real checkpoint.
+w = lambda *s: (torch.randn(*s, generator=g) * 0.02 * (1 + torch.rand(*s, generator=g))).to(torch.bfloat16)
+sd = {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden),
+      "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+kvd = kv * hidden // heads
+for i in range(layers):
+    p = f"model.layers.{i}."
+    sd.update({p + "self_attn.q_proj.weight": w(hidden, hidden), p + "self_attn.k_proj.weight": w(kvd, hidden),
+               p + "self_attn.v_proj.weight": w(kvd, hidden), p + "self_attn.o_proj.weight": w(hidden, hidden),
+               p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+               p + "mlp.down_proj.weight": w(hidden, inter),
+               p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+               p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+print(sum(t.numel() for t in sd.values()))
+"""
+
+QUANTIZE = r"""
+import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = int(sys.argv[3]); p.nthread = int(sys.argv[4])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))
+"""
+
+COMPARE = r"""
+import json, sys, gguf, numpy as np
+a = {t.name: t for t in gguf.GGUFReader(sys.argv[1]).tensors}
+b = {t.name: t for t in gguf.GGUFReader(sys.argv[2]).tensors}
+same_types = a.keys() == b.keys() and all(a[n].tensor_type == b[n].tensor_type for n in a)
+identical = [n for n in a if n in b and np.asarray(a[n].data).tobytes() == np.asarray(b[n].data).tobytes()]
+nbytes = sum(int(t.n_bytes) for t in a.values())
+diff_bytes = sum(int(a[n].n_bytes) for n in a if n not in identical)
+print(json.dumps({"tensors": len(a), "identical_tensors": len(identical), "same_types": same_types,
+                  "differing_bytes_fraction": diff_bytes / nbytes}))
+"""
+
+EVAL = r"""
+import json, sys
+from pathlib import Path
+from quantkit.backends.gguf import llamacpp
+from quantkit.eval.harness import Scores, final_hidden_states, load_windows
+from quantkit.model.source import open_model
+base = open_model(sys.argv[1]); data = Path(sys.argv[2]); windows = int(sys.argv[3])
+tokens = load_windows(base.tokenizer, data, 512, windows)
+hidden = final_hidden_states(base, tokens)  # the base runs once; its logits are re-formed per window
+head = base.lm_head_weight().float()
+out = {}
+for f in map(Path, sys.argv[4:]):
+    s = Scores()
+    for wi, logits in enumerate(llamacpp.window_logits(f, tokens)):
+        s.add(logits[:-1], tokens[wi, 1:], (hidden[wi] @ head.T)[:-1])
+    out[f.name] = s.result(model=f.name, base=base.name, data=str(data), ctx=512, windows=windows).to_dict()
+    print(f.name, out[f.name]["perplexity"], out[f.name]["mean_kld"], file=sys.stderr, flush=True)
+print(json.dumps(out))
+"""
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {THREADS} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def bench_model(label: str, src: Path, types: list[str], converter: Path, work: Path) -> list[dict]:
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    conv_env = {"PYTHONPATH": str(converter.parent / "gguf-py")}
+    bf16 = work / "llama-BF16.gguf"
+    conv_wall, conv_rss = run([sys.executable, str(converter), str(src), "--outtype", "bf16", "--outfile", str(bf16)],
+                              env=conv_env)
+    for t in types:
+        qk_dir = work / "quantkit"
+        qk_wall, qk_rss = run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o",
+                               str(qk_dir), "--device", "cpu"])
+        qk_file = next(qk_dir.glob(f"*-{t}.gguf"))
+        ref = work / f"llama-{t}.gguf"
+        if t in ("F16", "BF16", "F32"):
+            if t == "BF16":
+                ref, wall, rss = bf16, conv_wall, conv_rss
+            else:
+                wall, rss = run([sys.executable, str(converter), str(src), "--outtype", t.lower(), "--outfile", str(ref)],
+                                env=conv_env)
+            ref_wall, ref_rss = wall, rss
+        else:
+            q_wall, q_rss = run([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)])
+            ref_wall, ref_rss = conv_wall + q_wall, max(conv_rss, q_rss)
+        cmp = json.loads(subprocess.run([sys.executable, "-c", COMPARE, str(qk_file), str(ref)], capture_output=True,
+                                        text=True, check=True).stdout)
+        row = {"model": label, "type": t, "quantkit_s": qk_wall, "llamacpp_s": ref_wall, "ratio": qk_wall / ref_wall,
+               "quantkit_rss": qk_rss, "llamacpp_rss": ref_rss, "rss_ratio": qk_rss / ref_rss,
+               "identical": cmp["identical_tensors"] == cmp["tensors"] and cmp["same_types"],
+               "identical_tensors": f"{cmp['identical_tensors']}/{cmp['tensors']}",
+               "differing_bytes_fraction": cmp["differing_bytes_fraction"],
+               "quantkit_size": qk_file.stat().st_size, "llamacpp_size": ref.stat().st_size,
+               "quantkit_file": str(qk_file), "llamacpp_file": str(ref)}
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_file")}), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default=",".join(ALL_TYPES))
+    ap.add_argument("--models", default="demo,synthetic")
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt")
+    ap.add_argument("--out", default="gguf_vs_llamacpp")
+    args = ap.parse_args()
+    types = args.types.split(",")
+    converter = llama_cpp_converter()
+    demo = Path(subprocess.run([sys.executable, "-c", "from quantkit.model.source import open_model; "
+                                "print(open_model('demo:smollm2-135m').folder)"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    result = {"benchmark": "gguf_vs_llamacpp", "date": dt.date.today().isoformat(), "machine": machine(),
+              "llama_cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e57098)", "threads": THREADS,
+              "rows": [], "quality": {}}
+    if "demo" in args.models:
+        rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, WORK / "demo")
+        result["rows"] += rows
+        if args.data.is_file():
+            proc = subprocess.run([sys.executable, "-c", EVAL, "demo:smollm2-135m", str(args.data),
+                                   str(args.windows)] + [r["quantkit_file"] for r in rows],
+                                  capture_output=True, text=True, check=True)
+            result["quality"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "synthetic" in args.models:
+        syn = WORK / "synthetic-src"
+        if not (syn / "model.safetensors").is_file():
+            subprocess.run([sys.executable, "-c", MAKE_SYNTHETIC, str(demo), str(syn)], check=True)
+        result["synthetic_bytes"] = (syn / "model.safetensors").stat().st_size
+        result["rows"] += bench_model("synthetic llama (hidden 2048, 8 layers, bf16)", syn, types, converter,
+                                      WORK / "synthetic")
+    write_results(result, args.out)
+
+
+def write_results(result: dict, name: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for r in result["rows"]:
+        r.pop("quantkit_file", None)
+        r.pop("llamacpp_file", None)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    gib = lambda b: f"{b / 2**30:.2f}"
+    lines = [f"# GGUF: quantkit vs llama.cpp (convert_hf_to_gguf.py + llama-quantize)\n",
+             f"Date {result['date']}. Machine: {result['machine']}. Reference: {result['llama_cpp']}, "
+             f"{result['threads']} threads. Command: `python bench/gguf_vs_llamacpp.py`.\n",
+             "Goal per type: quantkit wall time ≤ 1.0× llama.cpp's, identical tensor bytes, peak RSS ≤ llama.cpp's.\n",
+             "| model | type | quantkit s | llama.cpp s | time ratio | quantkit RSS GiB | llama.cpp RSS GiB | RSS ratio "
+             "| identical tensors | file MiB (qk / llama) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['model']} | {r['type']} | {r['quantkit_s']:.1f} | {r['llamacpp_s']:.1f} | "
+                     f"**{r['ratio']:.2f}** | {gib(r['quantkit_rss'])} | {gib(r['llamacpp_rss'])} | {r['rss_ratio']:.2f} | "
+                     f"{'yes' if r['identical'] else 'no'} ({r['identical_tensors']}) | "
+                     f"{r['quantkit_size'] / 2**20:.1f} / {r['llamacpp_size'] / 2**20:.1f} |")
+    if result.get("quality"):
+        lines += ["", "## Demo model through llama.cpp (wikitext-2 test, 512-token windows; base: the bf16 model "
+                  "in quantkit's harness)\n", "| file | perplexity | mean KLD | top-1 agreement |", "|---|---|---|---|"]
+        for name, q in result["quality"].items():
+            lines.append(f"| {name} | {q['perplexity']:.3f} | {q['mean_kld']:.5f} | {100 * q['top1_agreement']:.2f} % |")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Byte-identity tests of quantkit's torch GGML encoders against llama.cpp.
+
+The reference bytes come from ``ggml_quantize_chunk`` in the libggml-base that
+ships with llama-cpp-python (see tests/_ggml_ref.py); those tests skip when
+llama_cpp is not installed.  Round-trip / error tests need only gguf + torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from quantkit.backends.gguf.encoders import SUPPORTED, dequantize, quantize  # noqa: E402
+
+try:  # tests/ may or may not be a package
+    from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
+except ImportError:  # pragma: no cover
+    import _ggml_ref as ref  # type: ignore  # noqa: E402
+
+TYPES = sorted(SUPPORTED, key=int)
+QUANT_TYPES = [t for t in TYPES if t not in (QT.F32, QT.F16, QT.BF16)]
+# types whose llama.cpp quantizer takes an importance matrix into account
+IMATRIX_TYPES = [t for t in QUANT_TYPES if t != QT.Q8_0]
+
+needs_ref = pytest.mark.skipif(not ref.available(), reason=ref.unavailable_reason())
+
+
+# ----------------------------------------------------------------------------
+# test data
+# ----------------------------------------------------------------------------
+
+def _special_rows(n: int, seed: int) -> np.ndarray:
+    """Edge cases, one per row (n is a multiple of 256)."""
+    g = np.random.default_rng(1000 + seed)
+    rows = []
+    rows.append(np.zeros(n))                                    # all zero
+    rows.append(np.full(n, 0.25))                               # constant
+    rows.append(np.full(n, -1.5))                               # negative constant
+    rows.append(g.standard_normal(n) * 1e-20)                   # tiny values
+    rows.append(np.round(g.standard_normal(n) * 4) / 4)         # grid values: exact ties
+    r = g.standard_normal(n) * 1e-3                             # one huge outlier per block
+    r[::32] = 1e4 * np.sign(g.standard_normal(n // 32))
+    rows.append(r)
+    r = np.where(np.arange(n) % 2 == 0, -1.0, 1.0)              # +-a ties, first is negative
+    r[n // 2:] *= -1                                            # ... and first positive
+    rows.append(r)
+    r = g.standard_normal(n) * (g.random(n) < 0.05)             # sparse, signed zeros
+    r[:64] = -0.0
+    r[64:96] = 0.0
+    r[96] = -0.0
+    rows.append(r)
+    rows.append(np.abs(g.standard_normal(n)) + 0.5)             # positive only (min > 0)
+    rows.append(-np.abs(g.standard_normal(n)) - 0.5)            # negative only
+    rows.append(np.round(g.standard_normal(n) * 8))             # integer grid
+    rows.append(g.standard_t(2, n) * 0.01)                      # heavy tails
+    r = g.standard_normal(n) * np.repeat(np.logspace(-44, -34, n // 32), 32)
+    r[::7] = 0.0
+    rows.append(r)                                              # subnormal / overflowing 1/scale
+    return np.stack(rows).astype(np.float32)
+
+
+def _cases():
+    """(id, float32 array) pairs; rows of 256*k elements, kept small."""
+    out = []
+    for seed, (rows, n) in enumerate([(8, 256), (4, 1024), (2, 2304)]):
+        g = np.random.default_rng(seed)
+        x = g.standard_normal((rows, n)) * 0.02
+        x[g.random(x.shape) < 0.01] *= 40.0                     # outliers
+        x[0, :64] = 0.0                                         # partially zero row
+        out.append((f"normal{seed}_{rows}x{n}", x.astype(np.float32)))
+    g = np.random.default_rng(7)
+    out.append(("uniform_4x512", g.uniform(-1, 1, (4, 512)).astype(np.float32)))
+    out.append(("scaled_rows_8x768", (g.standard_normal((8, 768))
+                                      * np.logspace(-4, 2, 8)[:, None]).astype(np.float32)))
+    for seed in range(2):
+        out.append((f"special{seed}_512", _special_rows(512, seed)))
+    return out
+
+
+CASES = _cases()
+
+
+def _block_mismatch(a: np.ndarray, b: np.ndarray, qtype) -> str:
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    ga = a.reshape(-1, ts if bs > 1 else ts)
+    gb = b.reshape(ga.shape)
+    bad = (ga != gb).any(1)
+    rows_bad = np.nonzero((a != b).any(1))[0][:8].tolist()
+    return (f"{qtype.name}: {int(bad.sum())}/{bad.size} blocks differ "
+            f"({bad.mean():.3%}); first differing rows {rows_bad}")
+
+
+# ----------------------------------------------------------------------------
+# byte identity against llama.cpp
+# ----------------------------------------------------------------------------
+
+@needs_ref
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bytes_match_llama_cpp(qtype):
+    failures = []
+    for name, x in CASES:
+        got = quantize(torch.from_numpy(x), qtype)
+        want = ref.quantize_ref(x, qtype)
+        assert got.dtype == np.uint8 and got.shape == want.shape, (name, got.shape, want.shape)
+        if not np.array_equal(got, want):
+            failures.append(f"[{name}] " + _block_mismatch(got, want, qtype))
+    assert not failures, "\n".join(failures)
+
+
+@needs_ref
+@pytest.mark.parametrize("qtype", IMATRIX_TYPES, ids=lambda t: t.name)
+def test_bytes_match_llama_cpp_imatrix(qtype):
+    failures = []
+    for i, (name, x) in enumerate(CASES[:4] + CASES[-1:]):
+        g = np.random.default_rng(50 + i)
+        im = (g.random(x.shape[1]) ** 2 * 4).astype(np.float32)
+        im[:8] = 0.0                                            # unused columns
+        got = quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(im))
+        want = ref.quantize_ref(x, qtype, imatrix=im)
+        if not np.array_equal(got, want):
+            failures.append(f"[{name}] " + _block_mismatch(got, want, qtype))
+    assert not failures, "\n".join(failures)
+
+
+@needs_ref
+def test_q8_0_ignores_imatrix():
+    x = CASES[0][1]
+    im = np.random.default_rng(3).random(x.shape[1]).astype(np.float32)
+    got = quantize(torch.from_numpy(x), QT.Q8_0, imatrix=torch.from_numpy(im))
+    np.testing.assert_array_equal(got, ref.quantize_ref(x, QT.Q8_0))
+
+
+@needs_ref
+def test_half_inputs_match_reference_on_their_float_values():
+    g = np.random.default_rng(11)
+    x32 = (g.standard_normal((4, 512)) * 0.05).astype(np.float32)
+    for dt in (torch.float16, torch.bfloat16):
+        xt = torch.from_numpy(x32).to(dt)
+        xf = xt.to(torch.float32).numpy()
+        for qtype in (QT.F16, QT.BF16, QT.F32, QT.Q4_K, QT.Q8_0):
+            np.testing.assert_array_equal(quantize(xt, qtype), ref.quantize_ref(xf, qtype),
+                                          err_msg=f"{dt} -> {qtype.name}")
+
+
+@needs_ref
+def test_bf16_f16_special_values():
+    bits = np.random.default_rng(5).integers(0, 2**32, size=(4, 1024), dtype=np.uint64)
+    x = bits.astype(np.uint32).view(np.float32).copy()         # NaN, inf, subnormals, ...
+    x[0, :8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4e38, 65520.0]
+    for qtype in (QT.F32, QT.F16, QT.BF16):
+        np.testing.assert_array_equal(quantize(torch.from_numpy(x), qtype),
+                                      ref.quantize_ref(x, qtype), err_msg=qtype.name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cuda_matches_cpu(qtype):
+    for name, x in CASES:
+        xt = torch.from_numpy(x)
+        cpu = quantize(xt, qtype)
+        gpu = quantize(xt.cuda(), qtype)
+        assert np.array_equal(cpu, gpu), f"[{name}] " + _block_mismatch(gpu, cpu, qtype)
+    if qtype in IMATRIX_TYPES:
+        x = CASES[1][1]
+        im = torch.from_numpy((np.random.default_rng(9).random(x.shape[1]) ** 2).astype(np.float32))
+        cpu = quantize(torch.from_numpy(x), qtype, im)
+        gpu = quantize(torch.from_numpy(x).cuda(), qtype, im.cuda())
+        assert np.array_equal(cpu, gpu), "[imatrix] " + _block_mismatch(gpu, cpu, qtype)
+
+
+# ----------------------------------------------------------------------------
+# round trip / API behaviour (no reference needed)
+# ----------------------------------------------------------------------------
+
+# max allowed  rms(dequant - x) / rms(x)  on gaussian data
+_RTOL = {
+    QT.F32: 0.0, QT.F16: 1e-3, QT.BF16: 5e-3, QT.Q8_0: 0.01,
+    QT.Q6_K: 0.03, QT.Q5_K: 0.06, QT.Q5_0: 0.07, QT.Q5_1: 0.06,
+    QT.Q4_K: 0.11, QT.Q4_0: 0.13, QT.Q4_1: 0.12, QT.IQ4_NL: 0.11, QT.IQ4_XS: 0.11,
+    QT.Q3_K: 0.22, QT.Q2_K: 0.42,
+}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_roundtrip_error(qtype):
+    g = np.random.default_rng(123)
+    x = (g.standard_normal((8, 1024)) * 0.02).astype(np.float32)
+    data = quantize(torch.from_numpy(x), qtype)
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    assert data.dtype == np.uint8
+    assert data.shape == (8, 1024 // bs * ts)
+    y = dequantize(data, qtype, x.shape)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and tuple(y.shape) == x.shape
+    y = y.numpy()
+    rel = np.sqrt(np.mean((y - x) ** 2)) / np.sqrt(np.mean(x ** 2))
+    assert rel <= _RTOL[qtype], f"{qtype.name}: relative rms error {rel:.4f} > {_RTOL[qtype]}"
+    # an all-zero tensor must come back exactly zero
+    z = dequantize(quantize(torch.zeros(2, 256), qtype), qtype, (2, 256))
+    assert torch.count_nonzero(z) == 0
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] > 1],
+                         ids=lambda t: t.name)
+def test_bad_row_length_raises(qtype):
+    bs = GGML_QUANT_SIZES[qtype][0]
+    with pytest.raises(ValueError):
+        quantize(torch.zeros(2, bs + 16), qtype)
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError):
+        quantize(torch.zeros(256), QT.Q8_0)                    # not 2-D
+    with pytest.raises(ValueError):
+        quantize(torch.zeros(2, 256), QT.IQ2_XXS)              # unsupported type
+
+
+def test_supported_set():
+    assert SUPPORTED == frozenset({
+        QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+        QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS})
