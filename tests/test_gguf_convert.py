@@ -198,7 +198,8 @@ def test_llama_cpp_activation_rounding():
     y = q8_0(x)
     blocks, yb = x.reshape(3, 16, 32), y.reshape(3, 16, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    assert ((yb - blocks).abs() <= d * 0.5 + 1e-3 * d).all()
+    # half a step, plus the fp16 rounding of the scale (relative 2^-11) over up to 127 steps
+    assert ((yb - blocks).abs() <= d * (0.5 + 127 * 2**-11) + 1e-6).all()
     assert len(torch.unique(torch.round(yb / d.half().float()))) <= 255
     z = q8_k(x)
     zb = z.reshape(3, 2, 256)
