@@ -9,6 +9,7 @@ Run on a machine with CUDA (bench/gpu_check.sh sets it up on the lent H200); wri
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,8 +45,9 @@ def main(out_dir: Path) -> None:
         report["ggml_ref"] = f"unavailable: {ref.unavailable_reason()}"
         ref = None
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(2048, 5632, generator=g) * (1 + torch.rand(2048, 5632, generator=g))).float()
-    for qtype in sorted(encoders.SUPPORTED, key=lambda t: t.name):
+    rows, cols = (64, 512) if os.environ.get("QUANTKIT_GPU_CHECK_SMALL") else (2048, 5632)
+    x = (torch.randn(rows, cols, generator=g) * (1 + torch.rand(rows, cols, generator=g))).float()
+    for qtype in ([] if os.environ.get("QUANTKIT_GPU_SKIP_ENCODERS") else sorted(encoders.SUPPORTED, key=lambda t: t.name)):
         cpu, t_cpu = timed(lambda: encoders.quantize(x, qtype), False)
         row = {"cpu_s": round(t_cpu, 3)}
         if cuda:
@@ -60,7 +62,8 @@ def main(out_dir: Path) -> None:
         print(qtype.name, row, flush=True)
 
     from conftest import make_checkpoint, TINY_TEXT
-    src = make_checkpoint(out_dir / "synthetic", hidden=2048, intermediate=5632, heads=16, kv_heads=4, layers=4,
+    hidden, inter = (256, 512) if os.environ.get("QUANTKIT_GPU_CHECK_SMALL") else (2048, 5632)
+    src = make_checkpoint(out_dir / "synthetic", hidden=hidden, intermediate=inter, heads=16, kv_heads=4, layers=4,
                           vocab=320, bpe=True)
     for dev in (["cuda", "cpu"] if cuda else ["cpu"]):
         t0 = time.perf_counter()
@@ -78,6 +81,12 @@ def main(out_dir: Path) -> None:
     for dev in (["cuda", "cpu"] if cuda else ["cpu"]):
         (r, secs) = timed(lambda: evaluate(model, tokens, device=torch.device(dev)), dev == "cuda")
         report["eval"][dev] = {"perplexity": r.perplexity, "seconds": round(secs, 2)}
+    if cuda:  # data-free calibration draws on the GPU too
+        from quantkit.calibration import CalibrationSpec, load_calibration
+        (cal, secs) = timed(lambda: load_calibration(CalibrationSpec("self", samples=16, seqlen=64), model,
+                                                     device="cuda"), True)
+        report["calibration_self_cuda"] = {"shape": list(cal.tokens.shape), "token_hash": cal.token_hash,
+                                           "seconds": round(secs, 2)}
     print(json.dumps(report, indent=2))
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
 

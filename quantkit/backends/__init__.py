@@ -87,8 +87,18 @@ class Backend:
         raise NotImplementedError
 
 
+# quantkit's own formats, also found when the package runs from a source tree without installed metadata.
+BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND"}
+
+
+def _load_builtin(ref: str) -> Backend:
+    import importlib
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def registered_backends() -> dict[str, Backend]:
-    found: dict[str, Backend] = {}
+    found: dict[str, Backend] = {name: _load_builtin(ref) for name, ref in BUILTIN.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             obj = ep.load()
