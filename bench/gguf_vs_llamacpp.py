@@ -41,14 +41,15 @@ THREADS = os.cpu_count() or 1
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     """Run a command; return (wall seconds, peak RSS bytes of that process alone)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err.decode()[-3000:]}")
+    log = WORK / "last_command.log"  # a file, not a pipe: a chatty child would block on a full pipe
+    with open(log, "wb") as sink:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text(errors='replace')[-3000:]}")
     return wall, usage.ru_maxrss * 1024
 
 
