@@ -246,14 +246,19 @@ def write_results(result: dict, name: str) -> None:
                      f"**{r['ratio']:.2f}** | {gib(r['quantkit_rss'])} | {gib(r['llamacpp_rss'])} | {r['rss_ratio']:.2f} | "
                      f"{'yes' if r['identical'] else 'no'} ({r['identical_tensors']}) | "
                      f"{r['quantkit_size'] / 2**20:.1f} / {r['llamacpp_size'] / 2**20:.1f} |")
+    for note in result.get("notes", []):
+        lines.append(f"\nNote: {note}.")
     if result.get("quality"):
         lines += ["", "## Demo model through llama.cpp (wikitext-2 test, 512-token windows; base: the bf16 model "
                   "in quantkit's harness)\n", "| file | perplexity | mean KLD | top-1 agreement |", "|---|---|---|---|"]
-        for name, q in result["quality"].items():
-            lines.append(f"| {name} | {q['perplexity']:.3f} | {q['mean_kld']:.5f} | {100 * q['top1_agreement']:.2f} % |")
+        for file, q in result["quality"].items():
+            lines.append(f"| {file} | {q['perplexity']:.3f} | {q['mean_kld']:.5f} | {100 * q['top1_agreement']:.2f} % |")
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":  # re-render the Markdown from a results JSON
+        write_results(json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[2]).stem)
+    else:
+        main()
