@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -234,7 +233,7 @@ def write_results(result: dict, name: str) -> None:
         r.pop("llamacpp_file", None)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     gib = lambda b: f"{b / 2**30:.2f}"
-    lines = [f"# GGUF: quantkit vs llama.cpp (convert_hf_to_gguf.py + llama-quantize)\n",
+    lines = ["# GGUF: quantkit vs llama.cpp (convert_hf_to_gguf.py + llama-quantize)\n",
              f"Date {result['date']}. Machine: {result['machine']}. Reference: {result['llama_cpp']}, "
              f"{result['threads']} threads. Command: `python bench/gguf_vs_llamacpp.py`.\n",
              "Goal per type: quantkit wall time ≤ 1.0× llama.cpp's, identical tensor bytes, peak RSS ≤ llama.cpp's.\n",

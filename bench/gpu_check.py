@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import gguf
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,25 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from .device import resolve_device
 from .backends import Plan, backend_for_artifact, parse_format_spec, registered_backends, PLANNED
 from .errors import UsageError
 from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
 from .model.checkpoint import Checkpoint
 from .model.source import open_model
 from .progress import Progress, null_progress
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: no CUDA device is available here")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise UsageError(f"--device {device!r}: expected auto, cpu or cuda[:N]") from None
 
 
 def list_formats() -> dict[str, Any]:

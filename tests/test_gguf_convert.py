@@ -13,7 +13,7 @@ from quantkit import api
 from quantkit.backends.gguf import encoders
 from quantkit.backends.gguf.reader import GGUFModel
 from quantkit.backends.gguf.tensors import permute_qk, unpermute_qk
-from quantkit.errors import OutputError, QuantizationError
+from quantkit.errors import OutputError
 from quantkit.eval.harness import evaluate, load_windows
 from quantkit.model.checkpoint import Checkpoint
 

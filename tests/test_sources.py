@@ -1,5 +1,4 @@
 """Every source kind resolves to a checkpoint: local folder, Hub id (through a local stand-in), demo."""
-import os
 
 import pytest
 

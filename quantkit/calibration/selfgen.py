@@ -26,6 +26,7 @@ import torch
 
 from ..errors import DependencyError, SourceError, UsageError
 from ..progress import Progress, null_progress
+from ..device import resolve_device
 
 TEMPERATURE = 1.0
 TOP_K = 50
@@ -51,9 +52,7 @@ def start_token_candidates(model) -> tuple[list[int], list[int]]:
 
 
 def _pick_device_dtype(device) -> tuple[torch.device, torch.dtype]:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = resolve_device(device)
     if device.type == "cpu":
         return device, torch.float32
     if device.type == "cuda":

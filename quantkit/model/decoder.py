@@ -22,9 +22,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(var + eps) * weight
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_base_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The unscaled RoPE frequencies, theta^(-2i/d)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv = rope_base_inv_freq(cfg)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import Backend, Plan, PlanRow
+from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...progress import Progress, null_progress
@@ -19,9 +20,13 @@ from .tensors import gguf_tensors
 from .writer import FileJob, tensor_nbytes, write_files
 
 
+def base_name(model: Checkpoint) -> str:
+    """'demo:smollm2-135m' -> 'smollm2-135m', 'org/Name' or a folder path -> its last part."""
+    return model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
+
+
 def output_name(model: Checkpoint, file_type: str) -> str:
-    base = model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", base) or "model"
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", base_name(model)) or "model"
     return f"{base}-{file_type}.gguf"
 
 
@@ -58,7 +63,8 @@ class GGUFBackend(Backend):
         plan = Plan("gguf", variant.name, str(path), rows)
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
-        plan.extra["time (estimate)"] = f"{_estimate_seconds(tensors, rows, options):.0f} s on {_device(options)}"
+        device = resolve_device(options.get("device"))
+        plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}"
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,
@@ -66,8 +72,7 @@ class GGUFBackend(Backend):
         tensors = gguf_tensors(model)
         jobs = [FileJob(Path(plan.output), int(spec.file_type),
                         {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
-        name = model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
-        return write_files(model, tensors, jobs, name=name, device=_device(options),
+        return write_files(model, tensors, jobs, name=base_name(model), device=resolve_device(options.get("device")),
                            tokenizer_pre=options.get("tokenizer_pre"), progress=progress)
 
     def can_read(self, path: Path) -> bool:
@@ -106,16 +111,8 @@ def _split_override(text: str) -> tuple[str, str]:
     return pattern, qtype
 
 
-def _device(options: dict) -> torch.device:
-    d = options.get("device") or "auto"
-    if d == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(d)
-
-
-def _estimate_seconds(tensors, rows, options) -> float:
+def _estimate_seconds(rows, device: torch.device) -> float:
     """Time a small slab of each type on this machine and scale by the number of weights of that type."""
-    device = _device(options)
     by_type: dict[str, int] = {}
     for r in rows:
         by_type[r.kind] = by_type.get(r.kind, 0) + int(np.prod(r.shape))

@@ -583,35 +583,27 @@ def _enc_q5_0(x, qw, ctx):
     return torch.cat([_f16_bytes(d), qh, _pack_nibbles_halves(q & 0xF)])
 
 
-def _enc_q4_1(x, qw, ctx):
+def _scale_min_codes(x, qw, ctx, nmax: int, to_code):
+    """Q4_1/Q5_1: (scale, minimum, codes).  With an importance matrix, llama.cpp's weighted search;
+    without, min/max over the block, and `to_code` applies the type's own C integer conversion."""
     if qw is not None:
         w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
-        d, the_min, L = _make_qkx_quants(x, w, 15, -0.9, 0.05, 36, False)
-        m = -the_min
-        q = L.to(torch.int32)
-    else:
-        mn = _first_min(x)
-        mx = _first_max(x)
-        d = _div(mx - mn, 15.0)
-        idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-        q = _i8(_cvt_i32((x - mn) * idd + 0.5)).clamp(max=15) & 0xFF
-        m = mn
+        d, the_min, L = _make_qkx_quants(x, w, nmax, -0.9, 0.05, 36, False)
+        return d, -the_min, L.to(torch.int32)
+    mn = _first_min(x)
+    mx = _first_max(x)
+    d = _div(mx - mn, float(nmax))
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    return d, mn, to_code(_cvt_i32((x - mn) * idd + 0.5))
+
+
+def _enc_q4_1(x, qw, ctx):
+    d, m, q = _scale_min_codes(x, qw, ctx, 15, lambda c: _i8(c).clamp(max=15) & 0xFF)
     return torch.cat([_f16_bytes(d), _f16_bytes(m), _pack_nibbles_halves(q)])
 
 
 def _enc_q5_1(x, qw, ctx):
-    if qw is not None:
-        w = qw * _sqrt(ctx["sigma2"].unsqueeze(0) + x * x)
-        d, the_min, L = _make_qkx_quants(x, w, 31, -0.9, 0.05, 36, False)
-        m = -the_min
-        q = L.to(torch.int32)
-    else:
-        mn = _first_min(x)
-        mx = _first_max(x)
-        d = _div(mx - mn, 31.0)
-        idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
-        q = _u8(_cvt_i32((x - mn) * idd + 0.5))
-        m = mn
+    d, m, q = _scale_min_codes(x, qw, ctx, 31, _u8)
     qh = _bits32((q >> 4) & 1)
     return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, _pack_nibbles_halves(q & 0xF)])
 

@@ -8,7 +8,7 @@ import torch
 
 from ...errors import UnsupportedArchitectureError
 from ...model.checkpoint import Checkpoint
-from ...model.decoder import rope_inv_freq
+from ...model.decoder import rope_base_inv_freq, rope_inv_freq
 
 ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
 
@@ -83,9 +83,7 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def load_source(model: Checkpoint, t: GGUFTensor) -> torch.Tensor:
     """The float32 values that go into GGUF tensor `t` (permuted, generated where needed)."""
     if t.source is None:  # rope_freqs: factor by which llama3 scaling divides each frequency
-        cfg = model.config
-        base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        return (base / rope_inv_freq(cfg)).float()
+        return (rope_base_inv_freq(model.config) / rope_inv_freq(model.config)).float()
     w = model.tensor(t.source).float()
     if t.permute_heads:
         w = permute_qk(w, t.permute_heads)
