@@ -60,14 +60,15 @@ def inspect(spec: str) -> dict[str, Any]:
     }
 
 
-RUNTIMES = ("quantkit", "llama.cpp")
+RUNTIMES = ("quantkit", "llama.cpp", "transformers")
 
 
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
              device: str | None = None, runtime: str = "quantkit", activations: str = "exact",
              progress: Progress = null_progress) -> EvalResult:
     """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; "llama.cpp"
-    runs a GGUF file in llama.cpp itself (the base model, if any, always runs in quantkit).
+    runs a GGUF file in llama.cpp itself, "transformers" a GPTQ folder in transformers + GPTQModel (the base
+    model, if any, always runs in quantkit).
     activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul."""
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
@@ -80,6 +81,12 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
         if not str(spec).endswith(".gguf"):
             raise UsageError("--runtime llama.cpp evaluates .gguf files")
         logits = llamacpp.window_logits(Path(spec), tokens)
+    elif runtime == "transformers":
+        from .backends.gptq import consumer
+        from .backends.gptq.reader import read_quantization_config
+        if not Path(spec).is_dir() or read_quantization_config(Path(spec)) is None:
+            raise UsageError("--runtime transformers evaluates GPTQ folders")
+        logits = consumer.window_logits(Path(spec), tokens)
     return _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
                      progress=progress, model_logits=logits)
 
@@ -100,8 +107,57 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
         items.append((variant, backend.plan(model, variant, Path(out), options)))
     written = []
     for backend, items in groups.values():
-        written += backend.write_all(model, items, Path(out), options, progress)
+        if not backend.calibrated:
+            written += backend.write_all(model, items, Path(out), options, progress)
+    calibrated = [(b, v, p) for b, items in groups.values() if b.calibrated for v, p in items]
+    if calibrated:
+        written += _convert_calibrated(model, calibrated, options, progress)
     return written
+
+
+def calibration_spec(options: dict, formats: list[str]):
+    """The CalibrationSpec the options ask for; a usage error naming the flags if there is none."""
+    from .calibration import CalibrationSpec
+    if not options.get("calib"):
+        raise UsageError(f"{', '.join(formats)} needs calibration data: add --calib FILE (.txt/.jsonl/.parquet), "
+                         f"--calib hf:NAME[:CONFIG]:SPLIT[:COLUMN] or --calib self")
+    return CalibrationSpec(source=str(options["calib"]), samples=int(options.get("calib_samples") or 128),
+                           seqlen=int(options.get("calib_seqlen") or 512), seed=int(options.get("seed") or 0),
+                           column=options.get("calib_column"))
+
+
+def _convert_calibrated(model, items, options: dict, progress: Progress) -> list[Path]:
+    """Every calibrated artifact of the run from one capture pass over the model."""
+    from contextlib import ExitStack
+    from .artifact import atomic_folder
+    from .calibration import load_calibration
+    from .calibration.capture import run_capture
+    device = resolve_device(options.get("device"))
+    calibrated_names = [f"{b.name}:{p.variant}" for b, v, p in items if b.needs_calibration(v, options)]
+    calibration = None
+    if calibrated_names:
+        spec = calibration_spec(options, calibrated_names)
+        calibration = load_calibration(spec, model, device=device, progress=progress)
+    written = []
+    with ExitStack() as stack:
+        jobs = []
+        try:
+            for backend, variant, plan in items:
+                folder = stack.enter_context(atomic_folder(Path(plan.output)))
+                job = backend.make_job(model, variant, plan, folder, options, calibration)
+                job.open()
+                jobs.append(job)
+            run_capture(model, calibration.tokens if calibration is not None else None,
+                        [j for j in jobs if j.needs_calibration], device=device, progress=progress)
+            plain = [j for j in jobs if not j.needs_calibration]
+            for job in plain:
+                job.run_uncalibrated(progress.task(f"{job.label} layers", total=model.num_layers))
+            written = [job.finish() for job in jobs]
+        except BaseException:
+            for job in jobs:
+                job.abort()
+            raise
+    return [Path(p.output) for _, _, p in items] if written else []
 
 
 def _parse_formats(formats: list[str]):

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError
+
+
+def model_stem(name: str) -> str:
+    """A model spec's last part, safe as a file name: 'demo:smollm2-135m' -> 'smollm2-135m', 'org/Name' -> 'Name'."""
+    last = name.split(":", 1)[-1].rstrip("/").split("/")[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", last) or "model"
 
 
 def ensure_output_dir(out: Path) -> Path:
@@ -65,6 +72,7 @@ def atomic_folder(final: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".partial-{final.name}.", dir=final.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; a finished artifact gets normal permissions
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -55,9 +55,14 @@ class Plan:
 
 
 class Backend:
-    """The contract every format implements."""
+    """The contract every format implements.
+
+    A format that quantizes from calibration statistics sets `calibrated = True` and, instead of
+    `write_all`, implements `needs_calibration` and `make_job`: the job is its `LayerQuantizer` in the shared
+    capture pass (quantkit.calibration.capture) and writes its artifact into the folder it is given."""
     name: str = ""
     summary: str = ""
+    calibrated: bool = False
 
     def variants(self) -> list[str]:
         """Spec strings this format accepts after the colon (for help and error messages)."""
@@ -75,6 +80,14 @@ class Backend:
         Must never leave a partial artifact behind."""
         raise NotImplementedError
 
+    def needs_calibration(self, variant, options: dict) -> bool:
+        return False
+
+    def make_job(self, model, variant, plan: Plan, folder: Path, options: dict, calibration):
+        """A job with open(), observe/quantize_group/finish_layer (the LayerQuantizer protocol),
+        run_uncalibrated(task), needs_calibration, finish() -> Path and abort()."""
+        raise NotImplementedError
+
     def can_read(self, path: Path) -> bool:
         return False
 
@@ -88,7 +101,7 @@ class Backend:
 
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.
-BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND"}
+BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND"}
 
 
 def _load_builtin(ref: str) -> Backend:

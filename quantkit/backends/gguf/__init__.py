@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import Backend, Plan, PlanRow
+from ...artifact import model_stem
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
@@ -26,8 +27,7 @@ def base_name(model: Checkpoint) -> str:
 
 
 def output_name(model: Checkpoint, file_type: str) -> str:
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", base_name(model)) or "model"
-    return f"{base}-{file_type}.gguf"
+    return f"{model_stem(model.name)}-{file_type}.gguf"
 
 
 class GGUFBackend(Backend):

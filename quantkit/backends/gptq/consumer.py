@@ -1,0 +1,49 @@
+"""transformers + GPTQModel as the consumer of a GPTQ folder: load it the way users do and return logits,
+for `quantkit eval FOLDER --runtime transformers` and the consumer tests."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ...errors import DependencyError, SourceError
+from .reader import read_quantization_config
+
+
+def pick_backend(folder: Path) -> str:
+    """GPTQModel's default CPU kernel wants in-features divisible by 128; its plain torch kernel takes any."""
+    from .reader import GPTQCheckpoint
+    ckpt = GPTQCheckpoint(folder)
+    for e in ckpt.weights.entries.values():
+        if e.name.endswith(".g_idx") and e.shape[0] % 128:
+            return "torch"
+    return "auto"
+
+
+def load(folder: Path, backend: str | None = None, dtype=torch.bfloat16):
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, os.cpu_count() or 1)))
+    try:
+        import gptqmodel  # noqa: F401  (transformers needs it to load GPTQ on any device)
+        from transformers import AutoModelForCausalLM, GPTQConfig
+    except ImportError as e:
+        raise DependencyError(f"loading GPTQ in transformers needs gptqmodel and optimum ({e}); "
+                              f"pip install --no-deps gptqmodel, plus its requirements") from None
+    q = read_quantization_config(folder)
+    if q is None:
+        raise SourceError(f"{folder}: not a GPTQ checkpoint")
+    config = GPTQConfig(bits=q["bits"], group_size=q["group_size"], desc_act=q.get("desc_act", False),
+                        sym=q.get("sym", True), format=q.get("format", "gptq"), act_group_aware=False,
+                        backend=backend or pick_backend(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype,
+                                                 quantization_config=config)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def window_logits(folder: Path, tokens: torch.Tensor, backend: str | None = None):
+    """Yield each window's logits (ctx, vocab) computed by transformers + GPTQModel."""
+    model = load(Path(folder), backend)
+    for row in tokens:
+        yield model(row[None]).logits[0].float()

@@ -1,0 +1,167 @@
+"""One GPTQ artifact being made: the capture pass's `LayerQuantizer` for it, and its writer.
+
+Files (../shared/docs/formats/gptq.md §5): model*.safetensors (+ index when sharded), config.json with
+`quantization_config`, quantize_config.json, the tokenizer and generation config copied from the source, and
+quantkit.json (settings, calibration provenance and token hash, per-layer damping and loss, file hashes).
+Symmetric grids are stored in the v1 convention every consumer reads (`format: gptq`, stored zero = zero −
+1); asymmetric grids cannot be stored in v1 when a zero point is 0, so they use GPTQModel's v2 (`gptq_v2`,
+zeros as they are), which GPTQModel and transformers + GPTQModel read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ... import __version__
+from ...calibration.stats import HessianAccumulator
+from ...model.adapters.base import InputGroup
+from ...model.safetensors_writer import ShardedSafetensorsWriter
+from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
+from .layout import checkpoint_specs, model_linears
+from .packing import pack, pack_zeros
+
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                "generation_config.json")
+
+
+def quantization_config(s: GPTQSettings) -> dict:
+    """The dict transformers (config.json), GPTQModel and vLLM (either file) read."""
+    fmt = "gptq" if s.sym else "gptq_v2"
+    return {
+        "quant_method": "gptq", "bits": s.bits, "group_size": s.group_size, "desc_act": s.act_order,
+        "sym": s.sym, "damp_percent": s.damp, "static_groups": s.static_groups, "true_sequential": True,
+        "format": fmt, "checkpoint_format": fmt, "lm_head": False, "pack_dtype": "int32",
+        "meta": {"quantizer": [f"quantkit:{__version__}"], "damp_auto_increment": s.damp_step,
+                 "static_groups": s.static_groups, "true_sequential": True, "mse": 2.4 if s.mse_grid else 0.0,
+                 "act_group_aware": s.group_aware and not s.act_order},
+    }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class GPTQJob:
+    """Quantizes and writes one GPTQ checkpoint into `folder` (a .partial-* folder the caller renames)."""
+
+    def __init__(self, model, settings: GPTQSettings, variant: str, folder: Path, *, rtn: bool = False,
+                 device: torch.device, calibration=None, notes: list[str] | None = None,
+                 max_shard_bytes: int = 4 << 30):
+        self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
+        self.folder, self.device, self.calibration = Path(folder), device, calibration
+        self.label = f"gptq:{variant}"
+        self.notes = notes or []
+        self.linears = {lin.name: lin for row in model_linears(model) for lin in row}
+        self.writer = ShardedSafetensorsWriter(self.folder, checkpoint_specs(model, settings), max_shard_bytes)
+        self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.layer_log: list[dict] = []
+        self.started = time.time()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.rtn
+
+    def open(self) -> None:
+        self.writer.open()
+        adapter = self.model.adapter
+        self.writer.put(adapter.embed, self.model.tensor(adapter.embed))
+
+    # --- LayerQuantizer ------------------------------------------------------------------
+    def observe(self, layer: int, group: InputGroup, x: torch.Tensor) -> None:
+        acc = self.stats.get(group.linears)
+        if acc is None:
+            acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
+        acc.add(x)
+
+    def quantize_group(self, layer: int, group: InputGroup, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Linears that read the same input share H, and GPTQ treats output rows independently, so one
+        # stacked run quantizes q/k/v (or gate/up) exactly as three separate runs would, at a third of the cost.
+        names = [f"{lin}.weight" for lin in group.linears]
+        stacked = torch.cat([weights[n].to(self.device, torch.float32) for n in names])
+        if self.rtn:
+            result = rtn_quantize(stacked, self.settings)
+        else:
+            acc = self.stats.pop(group.linears)
+            result = gptq_quantize(stacked, acc.value(), self.settings)
+        self.layer_log.append({"layer": layer, "linears": list(group.linears), "damp": result.damp,
+                               "loss": result.loss})
+        out, row = {}, 0
+        prefix = self.model.adapter.prefix(layer)
+        for lin, name in zip(group.linears, names):
+            n = weights[name].shape[0]
+            self._write_linear(prefix + lin, result, slice(row, row + n))
+            out[name] = result.weight[row:row + n]
+            row += n
+        return out
+
+    def finish_layer(self, layer: int, source: dict[str, torch.Tensor]) -> None:
+        prefix = self.model.adapter.prefix(layer)
+        for rel, t in source.items():
+            full = prefix + rel
+            if full.rsplit(".", 1)[0] not in self.linears:  # norms; linears and their biases are written already
+                self.writer.put(full, t)
+
+    # --- without calibration (round to nearest) -------------------------------------------
+    def run_uncalibrated(self, progress_task=None) -> None:
+        for i in range(self.model.num_layers):
+            source = self.model.layer(i)
+            for group in self.model.adapter.input_groups:
+                self.quantize_group(i, group, source)
+            self.finish_layer(i, source)
+            if progress_task is not None:
+                progress_task.advance()
+
+    # --- writing ----------------------------------------------------------------------------
+    def _write_linear(self, name: str, r: GPTQResult, rows: slice) -> None:
+        s = self.settings
+        codes = r.codes[rows]                                   # (N, K)
+        zeros = r.zeros[rows].T                                 # (G, N)
+        stored = zeros - 1 if s.sym else zeros                  # v1 stores zero − 1; v2 the zero itself
+        self.writer.put(f"{name}.qweight", pack(codes.T.contiguous(), s.bits))
+        self.writer.put(f"{name}.qzeros", pack_zeros(stored, s.bits))
+        self.writer.put(f"{name}.scales", r.scales[rows].T.contiguous().to(torch.float16))
+        self.writer.put(f"{name}.g_idx", r.g_idx.to(torch.int32))
+        if self.linears[name].bias:
+            self.writer.put(f"{name}.bias", self.model.tensor(f"{name}.bias").to(torch.float16))
+
+    def finish(self) -> Path:
+        """Write the remaining tensors and the side files; return the folder."""
+        model, adapter = self.model, self.model.adapter
+        self.writer.put(adapter.final_norm, model.final_norm_weight())
+        if not model.tied_embeddings:
+            self.writer.put(adapter.lm_head, model.lm_head_weight())
+        files = self.writer.close()
+        qconfig = quantization_config(self.settings)
+        config = json.loads((model.folder / "config.json").read_text())
+        config["quantization_config"] = qconfig
+        (self.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (self.folder / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")
+        for name in COPIED_FILES:
+            if (model.folder / name).exists():
+                shutil.copyfile(model.folder / name, self.folder / name)
+        info = {
+            "quantkit_version": __version__, "format": "gptq", "variant": self.variant,
+            "method": "round-to-nearest" if self.rtn else "gptq", "settings": asdict(self.settings),
+            "source": {"model": model.name, "revision": model.revision},
+            "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            "consumers": self.notes,
+            "seconds": round(time.time() - self.started, 2),
+            "layers": self.layer_log,
+            "files": {p.name: _sha256(p) for p in files},
+        }
+        (self.folder / "quantkit.json").write_text(json.dumps(info, indent=2) + "\n")
+        return self.folder
+
+    def abort(self) -> None:
+        self.writer.abort()

@@ -1,0 +1,96 @@
+"""Which tensors a GPTQ checkpoint holds, with their dtypes and shapes (../shared/docs/formats/gptq.md §1).
+
+Every linear inside a decoder block becomes qweight / qzeros / scales / g_idx (+ bias); embeddings, norms
+and lm_head stay in the source dtype.  Shapes follow from (K, N, bits, group size) alone, so the whole file
+layout — and the dry-run's sizes — are known before anything is quantized.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import UsageError
+from ...model.safetensors_reader import DTYPES
+from ...model.safetensors_writer import TensorSpec
+from .algorithm import GPTQSettings
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    name: str          # full HF name without ".weight"
+    in_features: int   # K
+    out_features: int  # N
+    bias: bool
+
+
+def group_count(k: int, s: GPTQSettings) -> int:
+    return 1 if s.group_size == -1 else math.ceil(k / s.group_size)
+
+
+def quantized_specs(lin: LinearShape, s: GPTQSettings) -> list[TensorSpec]:
+    k, n, b = lin.in_features, lin.out_features, s.bits
+    g = group_count(k, s)
+    specs = [TensorSpec(f"{lin.name}.qweight", torch.int32, (k * b // 32, n)),
+             TensorSpec(f"{lin.name}.qzeros", torch.int32, (g, n * b // 32)),
+             TensorSpec(f"{lin.name}.scales", torch.float16, (g, n)),
+             TensorSpec(f"{lin.name}.g_idx", torch.int32, (k,))]
+    if lin.bias:
+        specs.append(TensorSpec(f"{lin.name}.bias", torch.float16, (n,)))
+    return specs
+
+
+def check_linear(lin: LinearShape, s: GPTQSettings) -> list[str]:
+    """Refuse shapes GPTQ cannot store; return notes on consumers that will not load the result."""
+    k, n = lin.in_features, lin.out_features
+    if k % 32 or n % 32:
+        raise UsageError(f"{lin.name}: {n}×{k} cannot be packed as GPTQ (both dimensions must be multiples of 32)")
+    notes = []
+    if s.group_size != -1 and k % s.group_size:
+        power_of_two = s.group_size & (s.group_size - 1) == 0
+        if not power_of_two:
+            raise UsageError(f"gptq group size {s.group_size} does not divide the input dimension {k} of {lin.name}; "
+                             f"use a divisor of {k} or a power of two (the last group is then partial)")
+        notes.append(f"input dimension {k} is not a multiple of the group size {s.group_size}: the last group is "
+                     f"partial (transformers + GPTQModel and exllamav2 load it, vLLM does not)")
+    return notes
+
+
+def model_linears(model) -> list[list[LinearShape]]:
+    """Per decoder layer, its linears in true-sequential order."""
+    adapter, weights = model.adapter, model.weights
+    layers = []
+    for i in range(model.num_layers):
+        prefix = adapter.prefix(i)
+        row = []
+        for lin in adapter.linears:
+            e = weights.entries[f"{prefix}{lin}.weight"]
+            row.append(LinearShape(f"{prefix}{lin}", e.shape[1], e.shape[0], f"{prefix}{lin}.bias" in weights))
+        layers.append(row)
+    return layers
+
+
+def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
+    """Every tensor of the GPTQ checkpoint, in file order (by layer, as transformers lays them out)."""
+    adapter, weights = model.adapter, model.weights
+
+    def plain(name: str) -> TensorSpec:
+        e = weights.entries[name]
+        return TensorSpec(name, DTYPES[e.dtype], tuple(e.shape))
+
+    specs = [plain(adapter.embed)]
+    quantized = set()
+    for i, row in enumerate(model_linears(model)):
+        for lin in row:
+            specs += quantized_specs(lin, s)
+            quantized.add(lin.name)
+        prefix = adapter.prefix(i)
+        for rel in adapter.layer_tensor_names():
+            base = (prefix + rel).rsplit(".", 1)[0]
+            if base not in quantized:  # norms (q/k norms too)
+                specs.append(plain(prefix + rel))
+    specs.append(plain(adapter.final_norm))
+    if not model.tied_embeddings:
+        specs.append(plain(adapter.lm_head))
+    return specs

@@ -1,0 +1,107 @@
+"""Writing a (possibly sharded) safetensors checkpoint whose tensors arrive one layer at a time.
+
+Every tensor's name, dtype and shape are known from the plan before any is computed, so the headers and
+the shard split are fixed up front and each tensor is written at its final offset as soon as it exists:
+nothing is held back in memory.  Files are named as transformers names them (`model.safetensors`, or
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .safetensors_reader import DTYPES
+
+CODES = {v: k for k, v in DTYPES.items()}
+ALIGN = 8  # safetensors pads the header so data starts 8-byte aligned
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ShardedSafetensorsWriter:
+    def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int = 4 << 30,
+                 metadata: dict[str, str] | None = None):
+        self.folder = Path(folder)
+        shards: list[list[TensorSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if shards[-1] and size + spec.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        n = len(shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.where: dict[str, tuple[Path, int, TensorSpec]] = {}
+        self.files: list[tuple[Path, bytes, int]] = []
+        for fname, shard in zip(names, shards):
+            header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+            offset = 0
+            for spec in shard:
+                header[spec.name] = {"dtype": CODES[spec.dtype], "shape": list(spec.shape),
+                                     "data_offsets": [offset, offset + spec.nbytes]}
+                offset += spec.nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % ALIGN)
+            path = self.folder / fname
+            base = 8 + len(raw)
+            for spec in shard:
+                self.where[spec.name] = (path, base + header[spec.name]["data_offsets"][0], spec)
+            self.files.append((path, raw, base + offset))
+        self.pending = set(self.where)
+        self._fds: dict[Path, int] = {}
+
+    def open(self) -> None:
+        for path, raw, total in self.files:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+            self._fds[path] = fd
+            os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
+            os.ftruncate(fd, total)
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        path, offset, spec = self.where[name]
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+            raise ValueError(f"{name}: planned {spec.dtype} {spec.shape}, got {t.dtype} {tuple(t.shape)}")
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        written = os.pwrite(self._fds[path], data, offset)
+        if written != len(data):
+            raise OSError(28, "short write")  # ENOSPC on some filesystems shows up as a short write
+        self.pending.discard(name)
+
+    def close(self) -> list[Path]:
+        """Check every planned tensor was written, flush, and write the index when sharded."""
+        if self.pending:
+            missing = sorted(self.pending)
+            raise RuntimeError(f"tensors never written: {', '.join(missing[:3])}")
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+        paths = [p for p, _, _ in self.files]
+        if len(paths) > 1:
+            index = {"metadata": {"total_size": sum(s.nbytes for _, _, s in self.where.values())},
+                     "weight_map": {name: p.name for name, (p, _, _) in sorted(self.where.items())}}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return paths
+
+    def abort(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
