@@ -1,0 +1,208 @@
+"""HF checkpoint -> GPTQ folder through the capture pass: files and keys, the staged pass against the plain
+decoder, one pass for several artifacts, the dry-run plan, sharding, eval, and bad input."""
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_TEXT, make_checkpoint, run_cli
+from quantkit import api
+from quantkit.backends.gptq.reader import GPTQCheckpoint
+from quantkit.calibration.capture import run_capture
+from quantkit.eval.harness import evaluate
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.decoder import decoder_layer, rope_tables
+from quantkit.model.safetensors_reader import SafetensorsCheckpoint
+
+CALIB = {"calib_samples": 4, "calib_seqlen": 32, "seed": 0, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(TINY_TEXT * 3)
+    return p
+
+
+def convert(src, out, *variants, calib=None, **opts):
+    options = {**CALIB, "calib": str(calib) if calib else None, **opts}
+    return api.convert(str(src), [f"gptq:{v}" for v in variants], out, options=options)
+
+
+def test_folder_has_what_transformers_gptqmodel_and_vllm_read(tiny_gguf_source, calib_text, tmp_path):
+    (folder,) = convert(tiny_gguf_source, tmp_path, "4bit-g128", calib=calib_text)
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "quantize_config.json", "quantkit.json", "tokenizer.json"} <= names
+    assert not any(n.startswith(".partial") for n in (p.name for p in tmp_path.iterdir()))
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((folder / "quantize_config.json").read_text())
+    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "format", "checkpoint_format")} == \
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "format": "gptq",
+         "checkpoint_format": "gptq"}
+    w = SafetensorsCheckpoint(folder)
+    q = "model.layers.0.self_attn.q_proj"
+    assert f"{q}.weight" not in w
+    assert (w.entries[f"{q}.qweight"].dtype, w.entries[f"{q}.qweight"].shape) == ("I32", (256 * 4 // 32, 256))
+    assert (w.entries[f"{q}.qzeros"].dtype, w.entries[f"{q}.qzeros"].shape) == ("I32", (2, 256 * 4 // 32))
+    assert (w.entries[f"{q}.scales"].dtype, w.entries[f"{q}.scales"].shape) == ("F16", (2, 256))
+    assert w.entries[f"{q}.g_idx"].shape == (256,)
+    assert set((w.get(f"{q}.qzeros").to(torch.int64) & 0xFFFFFFFF).flatten().tolist()) == {0x77777777}
+    assert "lm_head.weight" in w and w.entries["lm_head.weight"].dtype == "BF16"
+    info = json.loads((folder / "quantkit.json").read_text())
+    assert info["calibration"]["samples"] == 4 and len(info["calibration"]["token_hash"]) == 64
+    assert len(info["layers"]) == 2 * 4 and all(x["damp"] >= 0.01 for x in info["layers"])
+    assert set(info["files"]) == {"model.safetensors"}
+
+
+class Recorder:
+    """A LayerQuantizer that records what it observes and swaps in scaled weights (to see them propagate)."""
+    label = "recorder"
+
+    def __init__(self, factor):
+        self.factor, self.seen = factor, {}
+
+    def observe(self, layer, group, x):
+        self.seen.setdefault((layer, group.linears), []).append(x.clone())
+
+    def quantize_group(self, layer, group, weights):
+        return {f"{n}.weight": weights[f"{n}.weight"].float() * self.factor for n in group.linears}
+
+    def finish_layer(self, layer, source):
+        pass
+
+
+def test_staged_pass_sees_what_the_plain_decoder_sees_with_earlier_groups_replaced(tiny_gguf_source):
+    """Each group's inputs must be those of a layer whose earlier groups are already quantized."""
+    model = Checkpoint(tiny_gguf_source)
+    tokens = torch.randint(0, 300, (3, 16))
+    rec = Recorder(0.9)
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    cfg, adapter = model.config, model.adapter
+    rope = rope_tables(cfg, 16, "cpu")
+    h = model.embed_weight()[tokens].float()
+    names = {"attn_in": 0, "attn_out": 1, "mlp_in": 2, "mlp_out": 3}
+    for i in range(model.num_layers):
+        w = {k: v.float() for k, v in model.layer(i).items()}
+        for stage, group in enumerate(adapter.input_groups):
+            seen = {}
+            decoder_layer(h, w, cfg, adapter, rope, hooks=lambda n, x: seen.setdefault(n, x.reshape(-1, x.shape[-1])))
+            key = [k for k, v in names.items() if v == stage][0]
+            got = torch.cat(rec.seen[(i, group.linears)])
+            assert torch.allclose(got, seen[key], atol=1e-4), (i, key)
+            for lin in group.linears:
+                w[f"{lin}.weight"] = w[f"{lin}.weight"] * 0.9
+        h = decoder_layer(h, w, cfg, adapter, rope)
+
+
+def test_several_artifacts_in_one_pass_equal_each_made_alone(tiny_gguf_source, calib_text, tmp_path):
+    both = convert(tiny_gguf_source, tmp_path / "both", "4bit-g64", "3bit-g32-act", calib=calib_text)
+    alone = convert(tiny_gguf_source, tmp_path / "alone", "3bit-g32-act", calib=calib_text)
+    a = (both[1] / "model.safetensors").read_bytes()
+    b = (alone[0] / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_reader_matches_the_quantized_weights_and_eval_runs(tiny_gguf_source, calib_text, tmp_path):
+    (folder,) = convert(tiny_gguf_source, tmp_path, "8bit-g64", calib=calib_text)
+    model, base = GPTQCheckpoint(folder), Checkpoint(tiny_gguf_source)
+    w, w0 = model.layer(1), base.layer(1)
+    err = (w["mlp.down_proj.weight"] - w0["mlp.down_proj.weight"].float()).abs().max().item()
+    assert 0 < err < 0.05  # 8-bit: close to the source, but quantized
+    tokens = torch.randint(0, 300, (2, 24))
+    r = evaluate(model, tokens, base=base)
+    assert r.top1_agreement > 0.7 and r.mean_kld < 0.2  # (a random tiny model is chaotic: ppl ~1e6)
+
+
+def test_rtn_needs_no_calibration_and_gptq_beats_it(tiny_gguf_source, calib_text, tmp_path):
+    rtn, gptq = convert(tiny_gguf_source, tmp_path, "3bit-g32-rtn", "3bit-g32", calib=calib_text)
+    assert json.loads((rtn / "quantkit.json").read_text())["calibration"] is None
+    base = Checkpoint(tiny_gguf_source)
+    tokens = Checkpoint(tiny_gguf_source).tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :96].view(3, 32)
+    kld = [evaluate(GPTQCheckpoint(f), tokens, base=base).mean_kld for f in (rtn, gptq)]
+    assert kld[1] < kld[0]
+
+
+def test_asymmetric_is_written_as_v2_and_read_back(tiny_gguf_source, calib_text, tmp_path):
+    (folder,) = convert(tiny_gguf_source, tmp_path, "4bit-g32-asym-rtn")
+    qc = json.loads((folder / "quantize_config.json").read_text())
+    assert (qc["sym"], qc["format"]) == (False, "gptq_v2")
+    ckpt = GPTQCheckpoint(folder)
+    w = ckpt.layer(0)["self_attn.o_proj.weight"]
+    w0 = Checkpoint(tiny_gguf_source).layer(0)["self_attn.o_proj.weight"].float()
+    g_idx = ckpt.weights.get("model.layers.0.self_attn.o_proj.g_idx").long()
+    scale = ckpt.weights.get("model.layers.0.self_attn.o_proj.scales").float()[g_idx].T
+    # Round to nearest on an asymmetric grid: every weight within half a step (a zero read off by one would not be).
+    assert ((w - w0).abs() <= 0.51 * scale).all()
+
+
+def test_sharded_output_and_the_plan_agree_with_the_files(tiny_gguf_source, calib_text, tmp_path):
+    (plan,) = api.plan(str(tiny_gguf_source), ["gptq:4bit-g64-act"], tmp_path, {**CALIB, "calib": str(calib_text)})
+    (folder,) = convert(tiny_gguf_source, tmp_path, "4bit-g64-act", calib=calib_text, max_shard_bytes=400_000)
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    w = SafetensorsCheckpoint(folder)
+    assert set(index["weight_map"]) == set(w.names())
+    data = sum(e.nbytes for e in w.entries.values())
+    assert plan.total_bytes == data == index["metadata"]["total_size"]
+    assert GPTQCheckpoint(folder).layer(1)["mlp.up_proj.weight"].shape == (512, 256)
+
+
+def test_cli_dry_run_writes_nothing(tiny_gguf_source, tmp_path):
+    r = run_cli("convert", str(tiny_gguf_source), "-f", "gptq:4bit-g128-act", "-o", str(tmp_path / "o"), "--dry-run",
+                "--json", "--calib", "x.txt")
+    assert r.returncode == 0, r.stderr
+    (plan,) = json.loads(r.stdout)
+    assert plan["format"] == "gptq" and plan["bits_per_weight"] < 16
+    assert "peak memory (estimate)" in plan["extra"] and "time (estimate)" in plan["extra"]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["-f", "gptq:5bit-g128"], 2, "5-bit GPTQ is not supported"),
+    (["-f", "gptq:4bit-g96"], 2, "does not divide the input dimension"),
+    (["-f", "gptq:4bit-g128-wat"], 2, "unknown option"),
+    (["-f", "gptq:4bit-g128"], 2, "needs calibration data"),
+    (["-f", "gptq:4bit-g128", "--calib", "CALIB", "--calib-samples", "500"], 6, "tokens"),
+    (["-f", "gptq:4bit-g128", "--calib", "CALIB", "--damp", "1.5"], 2, "--damp"),
+])
+def test_bad_input_is_one_line_and_leaves_nothing(tiny_gguf_source, calib_text, tmp_path, args, code, message):
+    out = tmp_path / "o"
+    args = [str(calib_text) if a == "CALIB" else a for a in args]
+    r = run_cli("convert", str(tiny_gguf_source), *args, "--calib-seqlen", "32", "-o", str(out))
+    assert r.returncode == code, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_nan_weights_fail_cleanly(tmp_path, calib_text):
+    src = make_checkpoint(tmp_path / "nan", hidden=64, intermediate=128, vocab=320, bpe=True)
+    from safetensors.torch import load_file, save_file
+    f = src / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    out = tmp_path / "o"
+    r = run_cli("convert", str(src), "-f", "gptq:4bit-g32", "--calib", str(calib_text), "--calib-samples", "2",
+                "--calib-seqlen", "16", "-o", str(out))
+    assert r.returncode == 9, r.stderr
+    assert "NaN" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not any(out.iterdir())
+
+
+def test_interrupted_run_leaves_no_partial_artifact(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
+    from quantkit.backends.gptq import job
+
+    calls = {"n": 0}
+    real = job.gptq_quantize
+
+    def interrupt_on_third(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(job, "gptq_quantize", interrupt_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_gguf_source, tmp_path, "4bit-g64", calib=calib_text)
+    assert list(tmp_path.iterdir()) == []
