@@ -35,7 +35,7 @@ class LayerQuantizer(Protocol):
     label: str
 
     def observe(self, layer: int, group: InputGroup, x: torch.Tensor) -> None:
-        """x: (tokens, in_features) float32, the input of `group`'s linears for one batch."""
+        """x: (tokens, in_features), the input of `group`'s linears for one batch, in the compute dtype."""
 
     def quantize_group(self, layer: int, group: InputGroup, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Quantize `group`'s linears; return their dequantized weights by name ("mlp.up_proj.weight")."""
@@ -80,8 +80,8 @@ def quantize_layer(layer: int, h: torch.Tensor, source: dict[str, torch.Tensor],
     norm2 = source["post_attention_layernorm.weight"].to(device, torch.float32)
     spans = [slice(s, s + batch) for s in range(0, h.shape[0], batch)]
 
-    def rows(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1]).float()
+    def rows(x: torch.Tensor) -> torch.Tensor:  # what the linears see: their input in the compute dtype
+        return x.reshape(-1, x.shape[-1]).to(compute_dtype)
 
     def take(group: InputGroup) -> None:
         new = quantizer.quantize_group(layer, group, w)

@@ -1,25 +1,47 @@
 """Statistics of a linear's inputs that quantizers share (GPTQ and EXL2 use the Hessian XᵀX)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+
+@contextmanager
+def _bf16_products_on_cpu(active: bool):
+    """Let oneDNN compute a float32 matmul with bf16 multiplies and float32 accumulation.  Exact when the
+    inputs are bf16 values (every product of two bf16 numbers fits a float32), and ~3× faster here."""
+    mkldnn = getattr(torch.backends, "mkldnn", None)
+    matmul = getattr(mkldnn, "matmul", None)
+    if not active or matmul is None or not hasattr(matmul, "fp32_precision"):
+        yield
+        return
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 class HessianAccumulator:
     """Running XᵀX / n in float32 over batches of input rows (tokens × in_features).
 
     The mean (not the sum) keeps values in a fixed range however many tokens are seen; GPTQ's damping is
-    relative to diag(H), so the scale does not change the result."""
+    relative to diag(H), so the scale does not change the result.  Pass the inputs in the dtype the linear
+    computes in: bf16 inputs are accumulated exactly (float32 sums of exact products)."""
 
     def __init__(self, features: int, device: torch.device):
         self.H = torch.zeros(features, features, dtype=torch.float32, device=device)
         self.rows = 0
 
     def add(self, x: torch.Tensor) -> None:
+        exact_bf16 = x.dtype == torch.bfloat16 and self.H.device.type == "cpu"
         x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
         n = x.shape[0]
         total = self.rows + n
         self.H.mul_(self.rows / total)
-        self.H.addmm_(x.T, x, alpha=1.0 / total)
+        with _bf16_products_on_cpu(exact_bf16):
+            self.H.addmm_(x.T, x, alpha=1.0 / total)
         self.rows = total
 
     def value(self) -> torch.Tensor:

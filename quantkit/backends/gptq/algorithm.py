@@ -183,19 +183,24 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, s: GPTQSettings) -> GPTQResu
     group_of = perm // gs if fixed_groups else torch.arange(K, device=W.device) // gs
     group_of_list = group_of.tolist()
 
-    codes = torch.zeros(N, K, dtype=torch.uint8, device=W.device)
-    Q = torch.zeros_like(W)
     scales = torch.zeros(N, groups, device=W.device)
     zeros = torch.zeros(N, groups, device=W.device)
-    losses = torch.zeros(N, device=W.device)
+    if static is not None:
+        for g, (scale, zero) in enumerate(static):
+            scales[:, g], zeros[:, g] = scale, zero
+    C = torch.zeros(N, K, device=W.device)  # codes, in visiting order
+    d_list = torch.diag(U).tolist()
+    loss = 0.0
     # Blocks hold whole groups, so a group's grid is always taken from fully updated columns.
     block = max(s.block_size // gs, 1) * gs if s.group_size != -1 else s.block_size
     scale = zero = None
     current = -1
+    # The inner loop is the algorithm's only sequential part, so it is kept to a few fused in-place ops
+    # per column (on a small model their fixed cost, not arithmetic, is what takes the time).
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
         W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
+        Err1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             g = group_of_list[i1 + i]
@@ -205,22 +210,21 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, s: GPTQSettings) -> GPTQResu
                     scale, zero = static[g]
                 else:  # its columns are the next ones in visiting order (whole groups sit inside a block)
                     scale, zero = _grid(W1[:, i:i + min(gs, K - g * gs) if fixed_groups else i + gs], s)
-                scales[:, g], zeros[:, g] = scale, zero
+                    scales[:, g], zeros[:, g] = scale, zero
             w = W1[:, i]
-            c = _codes(w, scale, zero, s.maxq)
-            q = scale * (c - zero)
-            codes[:, i1 + i] = c.to(torch.uint8)
-            Q[:, i1 + i] = q
-            d = U1[i, i]
-            err = (w - q) / d
-            losses += (w - q) ** 2 / d ** 2 / 2
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            c = torch.div(w, scale).round_().add_(zero).clamp_(0, s.maxq)
+            C[:, i1 + i] = c
+            err = (c - zero).mul_(scale).neg_().add_(w).div_(d_list[i1 + i])  # (w − q) / U[i, i]
             Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+            W1[:, i + 1:].addr_(err, U1[i, i + 1:], alpha=-1)
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
+        loss += 0.5 * Err1.pow(2).sum().item()
 
+    g_visit = group_of
+    Q = scales[:, g_visit] * (C - zeros[:, g_visit])
     inv = torch.argsort(perm)
-    return GPTQResult(codes=codes[:, inv], scales=scales, zeros=zeros.to(torch.int64),
-                      g_idx=group_of[inv].to(torch.int32), weight=Q[:, inv], damp=damp, loss=losses.sum().item())
+    return GPTQResult(codes=C[:, inv].to(torch.uint8), scales=scales, zeros=zeros.to(torch.int64),
+                      g_idx=group_of[inv].to(torch.int32), weight=Q[:, inv], damp=damp, loss=loss)
 
 
 def rtn_quantize(W: torch.Tensor, s: GPTQSettings) -> GPTQResult:
