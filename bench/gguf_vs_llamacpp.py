@@ -23,8 +23,9 @@ import platform
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
+
+import measure  # bench/measure.py
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work" / "gguf"
@@ -39,17 +40,7 @@ THREADS = os.cpu_count() or 1
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """Run a command; return (wall seconds, peak RSS bytes of that process alone)."""
-    log = WORK / "last_command.log"  # a file, not a pipe: a chatty child would block on a full pipe
-    with open(log, "wb") as sink:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text(errors='replace')[-3000:]}")
-    return wall, usage.ru_maxrss * 1024
+    return measure.run(cmd, WORK / "last_command.log", env)
 
 
 def llama_cpp_converter() -> Path:

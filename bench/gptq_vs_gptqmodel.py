@@ -22,8 +22,9 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import measure  # bench/measure.py
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work" / "gptq"
@@ -35,16 +36,7 @@ THREADS = os.cpu_count() or 1
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    log = WORK / "last_command.log"
-    with open(log, "wb") as sink:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text(errors='replace')[-3000:]}")
-    return wall, usage.ru_maxrss * 1024
+    return measure.run(cmd, WORK / "last_command.log", env)
 
 
 def child(code: str, *args: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -11,6 +12,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def model_stem(name: str) -> str:

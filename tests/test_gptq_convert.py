@@ -13,6 +13,7 @@ from quantkit.eval.harness import evaluate
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.decoder import decoder_layer, rope_tables
 from quantkit.model.safetensors_reader import SafetensorsCheckpoint
+from quantkit.calibration.stats import HessianAccumulator
 
 CALIB = {"calib_samples": 4, "calib_seqlen": 32, "seed": 0, "device": "cpu"}
 
@@ -175,19 +176,30 @@ def test_bad_input_is_one_line_and_leaves_nothing(tiny_gguf_source, calib_text, 
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_nan_weights_fail_cleanly(tmp_path, calib_text):
+@pytest.mark.parametrize("tensor,message", [("model.layers.1.mlp.up_proj.weight", "weights contain NaN"),
+                                            ("model.layers.0.input_layernorm.weight", "Hessian is not finite")])
+def test_nan_weights_or_activations_fail_cleanly(tmp_path, calib_text, tensor, message):
     src = make_checkpoint(tmp_path / "nan", hidden=64, intermediate=128, vocab=320, bpe=True)
     from safetensors.torch import load_file, save_file
     f = src / "model.safetensors"
     t = load_file(f)
-    t["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    t[tensor].view(-1)[5] = float("nan")
     save_file(t, f, metadata={"format": "pt"})
     out = tmp_path / "o"
     r = run_cli("convert", str(src), "-f", "gptq:4bit-g32", "--calib", str(calib_text), "--calib-samples", "2",
                 "--calib-seqlen", "16", "-o", str(out))
     assert r.returncode == 9, r.stderr
-    assert "NaN" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not any(out.iterdir())
+
+
+def test_inspect_describes_a_gptq_folder(tiny_gguf_source, calib_text, tmp_path):
+    (folder,) = convert(tiny_gguf_source, tmp_path, "3bit-g64-act", calib=calib_text)
+    r = run_cli("inspect", str(folder), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert (info["kind"], info["bits"], info["group_size"], info["desc_act"]) == ("gptq", 3, 64, True)
+    assert info["quantized_weights"] == 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 512)  # q,o + k,v + mlp
 
 
 def test_interrupted_run_leaves_no_partial_artifact(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
@@ -206,3 +218,13 @@ def test_interrupted_run_leaves_no_partial_artifact(tiny_gguf_source, calib_text
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_gguf_source, tmp_path, "4bit-g64", calib=calib_text)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hessian_is_the_float32_mean_of_outer_products(dtype):
+    x = (torch.randn(3000, 96) * torch.rand(96) * 5).to(dtype)
+    acc = HessianAccumulator(96, torch.device("cpu"))
+    for chunk in x.split(700):
+        acc.add(chunk)
+    exact = (x.double().T @ x.double()) / 3000
+    assert ((acc.value().double() - exact).norm() / exact.norm()).item() < 1e-6

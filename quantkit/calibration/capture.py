@@ -112,7 +112,6 @@ def quantize_layer(layer: int, h: torch.Tensor, source: dict[str, torch.Tensor],
     for sl in spans:
         hs = h[sl].to(device)
         h[sl] = (hs + _linear(mlp_hidden(hs), w["mlp.down_proj.weight"]).float()).to(h.device)
-    del w
 
 
 def batch_for(seqlen: int, tokens_per_batch: int = 4096) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..artifact import sha256_file
 from ..errors import DataError, DependencyError, UsageError
 from ..progress import Progress, null_progress
 from .spec import CalibrationSource, CalibrationSpec, parse_calibration_source
@@ -154,14 +155,6 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _decode(path: Path, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
@@ -244,7 +237,7 @@ def read_parquet(path: Path, column: str) -> tuple[list[str], dict]:
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"{path}: cannot read as parquet ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     docs, skipped = _collect(str(path), column, values, columns, len(values))
-    return docs, {"sha256": _sha256_file(path), "bytes": path.stat().st_size, "column": column, "rows": len(values),
+    return docs, {"sha256": sha256_file(path), "bytes": path.stat().st_size, "column": column, "rows": len(values),
                   "documents": len(docs), "rows_skipped": skipped}
 
 

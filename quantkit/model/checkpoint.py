@@ -15,7 +15,43 @@ from .safetensors_reader import SafetensorsCheckpoint
 NON_FLOAT_OK = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class Checkpoint:
+def load_tokenizer(folder: Path):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is a base dependency
+        raise DependencyError("transformers is needed to read the tokenizer: pip install transformers") from e
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many types for a bad/missing tokenizer
+        raise SourceError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
+
+
+class ModelFolder:
+    """What every model folder quantkit reads shares: an adapter naming the tensors, safetensors `weights`,
+    and the tensors outside the decoder layers (a base for source checkpoints and quantized artifacts)."""
+    folder: Path
+    adapter: ArchAdapter
+    weights: SafetensorsCheckpoint
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.adapter.lm_head not in self.weights
+
+    def embed_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.embed)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.final_norm)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.weights.get(self.adapter.embed if self.tied_embeddings else self.adapter.lm_head)
+
+    @cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.folder)
+
+
+class Checkpoint(ModelFolder):
     """A Hugging Face checkpoint folder.  Nothing is loaded until asked for."""
 
     def __init__(self, folder: Path, name: str | None = None, revision: str | None = None):
@@ -51,10 +87,6 @@ class Checkpoint:
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    @property
-    def tied_embeddings(self) -> bool:
-        return self.adapter.lm_head not in self.weights
-
     def parameter_count(self) -> int:
         return sum(e.numel for e in self.weights.entries.values())
 
@@ -76,23 +108,3 @@ class Checkpoint:
         for i in range(self.num_layers):
             yield i, self.layer(i)
 
-    def embed_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.embed)
-
-    def final_norm_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.final_norm)
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.embed if self.tied_embeddings else self.adapter.lm_head)
-
-    # --- tokenizer ------------------------------------------------------------------------
-    @cached_property
-    def tokenizer(self):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:  # pragma: no cover - transformers is a base dependency
-            raise DependencyError("transformers is needed to read the tokenizer: pip install transformers") from e
-        try:
-            return AutoTokenizer.from_pretrained(str(self.folder))
-        except Exception as e:  # transformers raises many types for a bad/missing tokenizer
-            raise SourceError(f"{self.folder}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e

@@ -9,7 +9,6 @@ zeros as they are), which GPTQModel and transformers + GPTQModel read.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ... import __version__
+from ...artifact import sha256_file
 from ...calibration.stats import HessianAccumulator
 from ...model.adapters.base import InputGroup
 from ...model.safetensors_writer import ShardedSafetensorsWriter
@@ -42,14 +42,6 @@ def quantization_config(s: GPTQSettings) -> dict:
                  "static_groups": s.static_groups, "true_sequential": True, "mse": 2.4 if s.mse_grid else 0.0,
                  "act_group_aware": s.group_aware and not s.act_order},
     }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class GPTQJob:
@@ -158,7 +150,7 @@ class GPTQJob:
             "consumers": self.notes,
             "seconds": round(time.time() - self.started, 2),
             "layers": self.layer_log,
-            "files": {p.name: _sha256(p) for p in files},
+            "files": {p.name: sha256_file(p) for p in files},
         }
         (self.folder / "quantkit.json").write_text(json.dumps(info, indent=2) + "\n")
         return self.folder

@@ -3,13 +3,13 @@ DenseModel for the evaluation harness, and a description for `inspect`."""
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from ...errors import SourceError
 from ...model.adapters import adapter_for
+from ...model.checkpoint import ModelFolder
 from ...model.config import ModelConfig
 from ...model.safetensors_reader import SafetensorsCheckpoint
 from .packing import unpack, unpack_zeros
@@ -42,7 +42,7 @@ def dequantize(qweight, qzeros, scales, g_idx, bits: int, v2: bool) -> torch.Ten
     return w.T.contiguous()
 
 
-class GPTQCheckpoint:
+class GPTQCheckpoint(ModelFolder):
     """A GPTQ folder as the harness sees a model: layer(i) returns dequantized float weights."""
 
     def __init__(self, folder: Path):
@@ -61,19 +61,13 @@ class GPTQCheckpoint:
         self.name = str(self.folder)
         self.num_layers = self.config.num_layers
 
-    @property
-    def tied_embeddings(self) -> bool:
-        return self.adapter.lm_head not in self.weights
-
     def linear_weight(self, name: str) -> torch.Tensor:
+        """A linear's float weight: stored as is (a layer left unquantized), or dequantized."""
         get = self.weights.get
         if f"{name}.weight" in self.weights:
             return get(f"{name}.weight")
-        try:
-            return dequantize(get(f"{name}.qweight"), get(f"{name}.qzeros"), get(f"{name}.scales"),
-                              get(f"{name}.g_idx"), self.bits, self.v2)
-        except KeyError as e:
-            raise SourceError(f"{self.folder}: {name} has neither a weight nor qweight/qzeros/scales/g_idx") from e
+        return dequantize(get(f"{name}.qweight"), get(f"{name}.qzeros"), get(f"{name}.scales"),
+                          get(f"{name}.g_idx"), self.bits, self.v2)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
@@ -84,23 +78,6 @@ class GPTQCheckpoint:
             else:
                 out[rel] = self.weights.get(prefix + rel)
         return out
-
-    def embed_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.embed)
-
-    def final_norm_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.final_norm)
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.weights.get(self.adapter.embed if self.tied_embeddings else self.adapter.lm_head)
-
-    @cached_property
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-        try:
-            return AutoTokenizer.from_pretrained(str(self.folder))
-        except Exception as e:  # transformers raises many types for a bad/missing tokenizer
-            raise SourceError(f"{self.folder}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
 
 
 def describe(folder: Path) -> dict:
