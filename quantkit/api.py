@@ -105,13 +105,15 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     for backend, _, variant in parsed:
         items = groups.setdefault(backend.name, (backend, []))[1]
         items.append((variant, backend.plan(model, variant, Path(out), options)))
-    written = []
+    calibrated = [(b, v, p) for b, items in groups.values() if b.calibrated for v, p in items]
+    if options.get("imatrix") and "gguf" not in groups:
+        raise UsageError("--imatrix weights GGUF quantization; add -f gguf:TYPE, or drop --imatrix")
+    written, imatrix = [], None
+    if calibrated or options.get("imatrix"):
+        written, imatrix = _convert_calibrated(model, calibrated, options, progress)
     for backend, items in groups.values():
         if not backend.calibrated:
-            written += backend.write_all(model, items, Path(out), options, progress)
-    calibrated = [(b, v, p) for b, items in groups.values() if b.calibrated for v, p in items]
-    if calibrated:
-        written += _convert_calibrated(model, calibrated, options, progress)
+            written += backend.write_all(model, items, Path(out), {**options, **(imatrix or {})}, progress)
     return written
 
 
@@ -126,19 +128,23 @@ def calibration_spec(options: dict, formats: list[str]):
                            column=options.get("calib_column"))
 
 
-def _convert_calibrated(model, items, options: dict, progress: Progress) -> list[Path]:
-    """Every calibrated artifact of the run from one capture pass over the model."""
+def _convert_calibrated(model, items, options: dict, progress: Progress) -> tuple[list[Path], dict | None]:
+    """Every calibrated artifact of the run from one capture pass over the model; with --imatrix the same
+    pass also collects the importance matrix the uncalibrated formats (GGUF) then use."""
     from contextlib import ExitStack
     from .artifact import atomic_folder
     from .calibration import load_calibration
     from .calibration.capture import run_capture
+    from .calibration.imatrix import ImatrixCollector
     device = resolve_device(options.get("device"))
     calibrated_names = [f"{b.name}:{p.variant}" for b, v, p in items if b.needs_calibration(v, options)]
+    if options.get("imatrix"):
+        calibrated_names.append("--imatrix")
     calibration = None
     if calibrated_names:
         spec = calibration_spec(options, calibrated_names)
         calibration = load_calibration(spec, model, device=device, progress=progress)
-    written = []
+    collector = ImatrixCollector(model, device) if options.get("imatrix") else None
     with ExitStack() as stack:
         jobs = []
         try:
@@ -148,16 +154,22 @@ def _convert_calibrated(model, items, options: dict, progress: Progress) -> list
                 job.open()
                 jobs.append(job)
             run_capture(model, calibration.tokens if calibration is not None else None,
-                        [j for j in jobs if j.needs_calibration], device=device, progress=progress)
+                        [j for j in jobs if j.needs_calibration] + ([collector] if collector else []),
+                        device=device, progress=progress)
             plain = [j for j in jobs if not j.needs_calibration]
             for job in plain:
                 job.run_uncalibrated(progress.task(f"{job.label} layers", total=model.num_layers))
-            written = [job.finish() for job in jobs]
+            for job in jobs:
+                job.finish()
         except BaseException:
             for job in jobs:
                 job.abort()
             raise
-    return [Path(p.output) for _, _, p in items] if written else []
+    imatrix = None
+    if collector is not None:
+        imatrix = {"imatrix_data": collector.result(),
+                   "imatrix_info": {"dataset": calibration.spec.source, "chunks": calibration.tokens.shape[0]}}
+    return [Path(p.output) for _, _, p in items], imatrix
 
 
 def _parse_formats(formats: list[str]):

@@ -145,6 +145,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per calibration window."),
             seed: int = typer.Option(0, "--seed", "--calib-seed", help="Seed for drawing the calibration windows."),
             calib_column: Optional[str] = typer.Option(None, "--calib-column", help="Text column of a .jsonl/.parquet/hf: source."),
+            imatrix: bool = typer.Option(False, "--imatrix", help="GGUF: weight rounding by an importance matrix collected in the calibration pass (needs --calib)."),
             act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: desc_act (when the spec does not say)."),
             static_groups: Optional[bool] = typer.Option(None, "--static-groups/--no-static-groups", help="GPTQ: group grids fixed before updates."),
             group_aware: Optional[bool] = typer.Option(None, "--group-aware/--no-group-aware", help="GPTQ without act-order: visit whole groups by importance (default on)."),
@@ -163,7 +164,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
         raise UsageError("--max-shard-size must be positive (GiB)")
     options = {"tensor_type": tensor_type, "pure": pure, "device": device, "tokenizer_pre": tokenizer_pre,
                "calib": calib, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen, "seed": seed,
-               "calib_column": calib_column, "act_order": act_order, "static_groups": static_groups, "sym": sym,
+               "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
                "damp": damp, "damp_step": damp_step, "mse": mse, "gptq_block_size": gptq_block_size,
                "max_shard_bytes": int(max_shard_size * 2**30)}

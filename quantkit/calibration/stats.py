@@ -46,3 +46,19 @@ class HessianAccumulator:
 
     def value(self) -> torch.Tensor:
         return self.H
+
+
+class SquareMeanAccumulator:
+    """Per input column, the mean of x² over all tokens: llama.cpp's importance matrix for one linear."""
+
+    def __init__(self, features: int, device: torch.device):
+        self.sum = torch.zeros(features, dtype=torch.float64, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(self.sum.device, torch.float32)
+        self.sum += x.square().sum(dim=0, dtype=torch.float64)
+        self.rows += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        return (self.sum / max(self.rows, 1)).to(torch.float32)

@@ -64,6 +64,9 @@ class GGUFBackend(Backend):
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
         device = resolve_device(options.get("device"))
+        if options.get("imatrix"):
+            plan.extra["importance matrix"] = f"from the calibration pass over {options.get('calib')} " \
+                                              f"({options.get('calib_samples') or 128} × {options.get('calib_seqlen') or 512} tokens)"
         plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}"
         return plan
 
@@ -73,7 +76,8 @@ class GGUFBackend(Backend):
         jobs = [FileJob(Path(plan.output), int(spec.file_type),
                         {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
         return write_files(model, tensors, jobs, name=base_name(model), device=resolve_device(options.get("device")),
-                           tokenizer_pre=options.get("tokenizer_pre"), progress=progress)
+                           tokenizer_pre=options.get("tokenizer_pre"), progress=progress,
+                           imatrix=options.get("imatrix_data"), imatrix_info=options.get("imatrix_info"))
 
     def can_read(self, path: Path) -> bool:
         if not Path(path).is_file():

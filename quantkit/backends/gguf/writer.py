@@ -41,11 +41,20 @@ def tensor_nbytes(t: GGUFTensor, qtype: gguf.GGMLQuantizationType) -> int:
 
 
 def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob], *, name: str,
-                device: torch.device, tokenizer_pre: str | None, progress: Progress) -> list[Path]:
+                device: torch.device, tokenizer_pre: str | None, progress: Progress,
+                imatrix: dict[str, torch.Tensor] | None = None, imatrix_info: dict | None = None) -> list[Path]:
+    """`imatrix` (HF weight name -> per-column importance) makes the quantizers weight their rounding error
+    as llama-quantize does with --imatrix; `imatrix_info` goes into the quantize.imatrix.* keys."""
     arch = model.adapter.gguf_arch
     template = gguf.GGUFWriter(None, arch)
     add_hparams(template, model, name=name)
     add_tokenizer(template, model, tokenizer_pre)
+    if imatrix:
+        info = imatrix_info or {}
+        template.add_string("quantize.imatrix.file", "quantkit calibration pass")
+        template.add_string("quantize.imatrix.dataset", str(info.get("dataset", "")))
+        template.add_uint32("quantize.imatrix.entries_count", len(imatrix))
+        template.add_uint32("quantize.imatrix.chunks_count", int(info.get("chunks", 0)))
     with ExitStack() as stack:
         writers = []
         for job in jobs:
@@ -72,7 +81,8 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
             for job, w, task in zip(jobs, writers, tasks):
                 q = job.types[t.name]
                 if q not in done:
-                    done[q] = encoders.quantize(src, q).reshape(byte_shape(t, q))
+                    weights = imatrix.get(t.source) if imatrix and t.source else None
+                    done[q] = encoders.quantize(src, q, imatrix=weights).reshape(byte_shape(t, q))
                 w.write_tensor_data(done[q])
                 task.advance()
             del src, done

@@ -1,0 +1,39 @@
+"""The importance matrix llama.cpp's quantizers weight their rounding error with, collected in the shared
+capture pass: for every linear inside the decoder layers, the mean of x² of each input column over the
+calibration tokens.  Like `llama-imatrix`, it observes the unquantized model (the collector leaves every
+weight as it is, so its stream is the full-precision model's) and, like its default, not the output head.
+"""
+from __future__ import annotations
+
+import torch
+
+from .stats import SquareMeanAccumulator
+
+
+class ImatrixCollector:
+    label = "importance matrix"
+    needs_calibration = True
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.stats: dict[str, SquareMeanAccumulator] = {}
+
+    def observe(self, layer: int, group, x: torch.Tensor) -> None:
+        prefix = self.model.adapter.prefix(layer)
+        key = prefix + group.linears[0]
+        acc = self.stats.get(key)
+        if acc is None:
+            acc = SquareMeanAccumulator(x.shape[-1], self.device)
+            for lin in group.linears:  # linears reading the same input share one statistic
+                self.stats[prefix + lin] = acc
+        acc.add(x)
+
+    def quantize_group(self, layer: int, group, weights: dict) -> dict:
+        return {}
+
+    def finish_layer(self, layer: int, source: dict) -> None:
+        pass
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> importance vector (in_features,) float32 on the CPU."""
+        return {f"{name}.weight": acc.value().cpu() for name, acc in self.stats.items()}

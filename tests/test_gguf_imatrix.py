@@ -1,0 +1,91 @@
+"""GGUF with an importance matrix collected in the shared calibration pass (--imatrix)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_TEXT, run_cli
+from quantkit import api
+from quantkit.backends.gguf import encoders
+from quantkit.calibration import CalibrationSpec, load_calibration
+from quantkit.calibration.capture import run_capture
+from quantkit.calibration.imatrix import ImatrixCollector
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.decoder import decoder_layer, rope_tables
+
+OPTS = {"tokenizer_pre": "gpt-2", "device": "cpu", "calib_samples": 4, "calib_seqlen": 32, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(TINY_TEXT * 3)
+    return p
+
+
+def test_collector_is_the_mean_square_of_each_linears_input(tiny_gguf_source):
+    model = Checkpoint(tiny_gguf_source)
+    tokens = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(1))
+    collector = ImatrixCollector(model, torch.device("cpu"))
+    run_capture(model, tokens, [collector], device=torch.device("cpu"), compute_dtype=torch.float32)
+    got = collector.result()
+    cfg, adapter = model.config, model.adapter
+    rope = rope_tables(cfg, 16, "cpu")
+    h = model.embed_weight()[tokens].float()
+    hook_of = {"self_attn.q_proj": "attn_in", "self_attn.o_proj": "attn_out", "mlp.up_proj": "mlp_in",
+               "mlp.down_proj": "mlp_out"}
+    for i in range(model.num_layers):
+        w = {k: v.float() for k, v in model.layer(i).items()}
+        seen = {}
+        h_next = decoder_layer(h, w, cfg, adapter, rope, hooks=lambda n, x: seen.setdefault(n, x.reshape(-1, x.shape[-1])))
+        for lin, hook in hook_of.items():
+            expected = seen[hook].square().mean(0)
+            assert torch.allclose(got[f"model.layers.{i}.{lin}.weight"], expected, rtol=1e-5, atol=1e-7)
+        h = h_next
+    assert len(got) == model.num_layers * 7  # every linear, no head, no embeddings (as llama-imatrix)
+
+
+def _tensor_bytes(path, name):
+    r = gguf.GGUFReader(str(path))
+    t = next(t for t in r.tensors if t.name == name)
+    return t.tensor_type, np.asarray(t.data).view(np.uint8).reshape(-1)
+
+
+def test_imatrix_file_uses_the_weighted_quantizers(tiny_gguf_source, calib_text, tmp_path):
+    (plain,) = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "plain", options=OPTS)
+    (weighted,) = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "imx",
+                              options={**OPTS, "imatrix": True, "calib": str(calib_text)})
+    model = Checkpoint(tiny_gguf_source)
+    spec = CalibrationSpec(source=str(calib_text), samples=4, seqlen=32, seed=0)
+    collector = ImatrixCollector(model, torch.device("cpu"))
+    run_capture(model, load_calibration(spec, model).tokens, [collector], device=torch.device("cpu"))
+    importance = collector.result()["model.layers.1.mlp.down_proj.weight"]
+    qtype, got = _tensor_bytes(weighted, "blk.1.ffn_down.weight")
+    _, without = _tensor_bytes(plain, "blk.1.ffn_down.weight")
+    src = model.tensor("model.layers.1.mlp.down_proj.weight").float()
+    expected = encoders.quantize(src, qtype, imatrix=importance).reshape(-1)
+    assert np.array_equal(got, expected)
+    assert not np.array_equal(got, without)
+    fields = gguf.GGUFReader(str(weighted)).fields
+    assert fields["quantize.imatrix.entries_count"].contents() == 2 * 7
+    assert fields["quantize.imatrix.chunks_count"].contents() == 4
+
+
+def test_imatrix_and_gptq_share_one_pass(tiny_gguf_source, calib_text, tmp_path):
+    paths = api.convert(str(tiny_gguf_source), ["gguf:Q4_0", "gptq:4bit-g64"], tmp_path,
+                        options={**OPTS, "imatrix": True, "calib": str(calib_text)})
+    assert sorted(p.name for p in paths) == sorted(p.name for p in tmp_path.iterdir())
+    alone = api.convert(str(tiny_gguf_source), ["gptq:4bit-g64"], tmp_path / "alone",
+                        options={**OPTS, "calib": str(calib_text)})
+    gptq = [p for p in paths if p.is_dir()][0]
+    assert (gptq / "model.safetensors").read_bytes() == (alone[0] / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-f", "gguf:Q4_K_M", "--imatrix"], "needs calibration data"),
+    (["-f", "gptq:4bit-g64", "--imatrix", "--calib", "x.txt"], "--imatrix weights GGUF"),
+])
+def test_imatrix_usage_errors(tiny_gguf_source, tmp_path, args, message):
+    r = run_cli("convert", str(tiny_gguf_source), *args, "-o", str(tmp_path / "o"))
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
