@@ -123,8 +123,8 @@ class GPTQBackend(Backend):
 
 def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> str:
     cfg = model.config
-    layer = sum(e.nbytes for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-    weights_fp32 = layer * 4 // 2 * 2  # the layer in float32 plus its stacked copy for GPTQ
+    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+    weights_fp32 = layer * 4 * 2  # the layer in float32 plus the stacked copy GPTQ works on
     if rtn:
         total = weights_fp32 + 300 * 2**20
         return f"{total / 2**30:.2f} GiB (one layer in float32 + runtime)"
