@@ -36,7 +36,8 @@ THREADS = os.cpu_count() or 1
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    return measure.run(cmd, WORK / "last_command.log", env)
+    # in WORK: GPTQModel writes a logs/ folder into its working directory
+    return measure.run(cmd, WORK / "last_command.log", env, cwd=WORK)
 
 
 def child(code: str, *args: str) -> list[str]:

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, int]:
+def run(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> tuple[float, int]:
     """Run a command; return (wall seconds, peak RSS bytes).  Output goes to `log` (a file, not a pipe: a
     chatty child would block on a full pipe); a failure ends the benchmark with the log's tail."""
     with open(log, "wb") as sink:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=sink, stderr=subprocess.STDOUT,
+                                cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
