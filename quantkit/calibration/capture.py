@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..errors import UnsupportedArchitectureError
 from ..model.adapters import ArchAdapter
 from ..model.adapters.base import InputGroup
 from ..model.decoder import attention, rms_norm, rope_tables
@@ -64,7 +65,7 @@ def _check_groups(adapter: ArchAdapter) -> tuple[InputGroup, ...]:
     expected = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                 ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
     if tuple(g.linears for g in groups) != expected:  # the stages below follow the llama block
-        raise NotImplementedError(f"the capture pass does not know the {adapter.family} block layout")
+        raise UnsupportedArchitectureError(f"calibrated formats do not know the {adapter.family} block layout yet")
     return groups
 
 

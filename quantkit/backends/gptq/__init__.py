@@ -28,9 +28,9 @@ def flags_from_options(options: dict) -> dict:
 
 def describe_settings(s: GPTQSettings, rtn: bool) -> str:
     group = "per-row" if s.group_size == -1 else f"g{s.group_size}"
-    extras = [x for x, on in (("act-order", s.act_order), ("static", s.static_groups),
-                                                   ("natural order", not s.act_order and not s.group_aware), ("mse", s.mse_grid),
-                              ("rtn", rtn)) if on]
+    flags = (("act-order", s.act_order), ("static", s.static_groups),
+             ("natural order", not s.act_order and not s.group_aware), ("mse", s.mse_grid), ("rtn", rtn))
+    extras = [name for name, on in flags if on]
     return " ".join([f"gptq {s.bits}-bit {group}", "sym" if s.sym else "asym", *extras])
 
 
