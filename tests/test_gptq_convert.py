@@ -228,3 +228,11 @@ def test_hessian_is_the_float32_mean_of_outer_products(dtype):
         acc.add(chunk)
     exact = (x.double().T @ x.double()) / 3000
     assert ((acc.value().double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def test_self_generated_calibration_needs_no_dataset(tiny_gguf_source, tmp_path):
+    (folder,) = api.convert(str(tiny_gguf_source), ["gptq:4bit-g64"], tmp_path,
+                            options={"calib": "self", "calib_samples": 2, "calib_seqlen": 16, "device": "cpu"})
+    calib = json.loads((folder / "quantkit.json").read_text())["calibration"]
+    assert calib["source"] == "self" and calib["samples"] == 2 and len(calib["token_hash"]) == 64
+    assert GPTQCheckpoint(folder).layer(0)["self_attn.q_proj.weight"].shape == (256, 256)
