@@ -4,7 +4,11 @@ Run on a machine with CUDA (bench/gpu_check.sh sets it up on the lent H200); wri
 1. every GGUF encoder on random tensors: CUDA bytes == CPU bytes (== llama.cpp's where its library is
    importable), with timings on both;
 2. a synthetic llama (hidden 2048) converted to Q4_K_M + Q8_0 on CUDA and on CPU: identical files, times;
-3. the evaluation harness on CUDA vs CPU on that model: perplexity agreement.
+3. the evaluation harness on CUDA vs CPU on that model: perplexity agreement;
+4. GPTQ 4-bit g128 (with and without act-order) of that model on CUDA and on CPU from the same calibration
+   tokens: times, how far the two artifacts' weights are apart, perplexity of each; then the GPU-only
+   consumers when installed (vLLM, exllamav2): does the CUDA-made folder load, and do its logits agree with
+   quantkit's reader (top-1 over the check windows)?
 """
 from __future__ import annotations
 
@@ -86,8 +90,78 @@ def main(out_dir: Path) -> None:
                                                      device="cuda"), True)
         report["calibration_self_cuda"] = {"shape": list(cal.tokens.shape), "token_hash": cal.token_hash,
                                            "seconds": round(secs, 2)}
+    report["gptq"] = gptq_check(src, text, tokens, out_dir, cuda)
     print(json.dumps(report, indent=2))
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
+
+def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
+    from quantkit.backends.gptq.reader import GPTQCheckpoint
+    from quantkit.eval.harness import window_logits
+    result: dict = {}
+    calib = out_dir / "calib.txt"
+    calib.write_text(text.read_text() * 40)
+    options = {"calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0}
+    variants = ["gptq:4bit-g128", "gptq:4bit-g128-act"]
+    base = Checkpoint(src)
+    folders = {}
+    for dev in (["cuda", "cpu"] if cuda else ["cpu"]):
+        (paths, secs) = timed(lambda: api.convert(str(src), variants, out_dir / f"gptq-{dev}",
+                                                  options={**options, "device": dev}), dev == "cuda")
+        folders[dev] = paths
+        result[dev] = {"seconds": round(secs, 2), "perplexity": {
+            p.name: evaluate(GPTQCheckpoint(p), tokens, base=base).perplexity for p in paths}}
+        print("gptq", dev, result[dev], flush=True)
+    if cuda:
+        diffs = {}
+        for a, b in zip(folders["cuda"], folders["cpu"]):
+            wa, wb = GPTQCheckpoint(a).layer(0), GPTQCheckpoint(b).layer(0)
+            diffs[a.name] = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+        result["layer0_max_weight_difference_cuda_vs_cpu"] = diffs
+    target = folders["cuda" if cuda else "cpu"][0]  # vLLM refuses act-order with groups: the plain one
+    ours = [w.argmax(-1) for w in window_logits(GPTQCheckpoint(target), tokens)]
+    result["vllm"] = _vllm_agreement(target, tokens, ours)
+    result["exllamav2"] = _exllamav2_agreement(target, tokens, ours)
+    return result
+
+
+def _top1(theirs: list[torch.Tensor], ours: list[torch.Tensor]) -> float:
+    same = sum((a.cpu() == b.cpu()).sum().item() for a, b in zip(theirs, ours))
+    return same / sum(t.numel() for t in ours)
+
+
+def _vllm_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor]) -> dict:
+    try:
+        from vllm import LLM, SamplingParams
+    except Exception as e:  # not installed on the device machine: say so
+        return {"available": False, "why": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        llm = LLM(model=str(folder), quantization="gptq", dtype="float16", enforce_eager=True,
+                  gpu_memory_utilization=0.3, max_model_len=tokens.shape[1] + 8)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens], params)
+        theirs = []
+        for o in outs:  # prompt_logprobs[k] holds the top-1 for position k given tokens < k
+            top = [max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in o.prompt_logprobs[1:]]
+            theirs.append(torch.tensor(top + [o.outputs[0].token_ids[0]]))
+        return {"available": True, "loaded": True, "top1_agreement": _top1(theirs, ours)}
+    except Exception as e:
+        return {"available": True, "loaded": False, "error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def _exllamav2_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor]) -> dict:
+    try:
+        from exllamav2 import ExLlamaV2, ExLlamaV2Config
+    except Exception as e:
+        return {"available": False, "why": f"{type(e).__name__}: {e}"[:300]}
+    try:
+        config = ExLlamaV2Config(str(folder))
+        model = ExLlamaV2(config)
+        model.load()
+        theirs = [model.forward(row[None].cuda()).float()[0].argmax(-1) for row in tokens]
+        return {"available": True, "loaded": True, "top1_agreement": _top1(theirs, ours)}
+    except Exception as e:
+        return {"available": True, "loaded": False, "error": f"{type(e).__name__}: {e}"[:500]}
 
 
 if __name__ == "__main__":
