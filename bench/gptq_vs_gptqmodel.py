@@ -45,12 +45,13 @@ def child(code: str, *args: str) -> list[str]:
 
 
 DRAW = """
-import sys, torch
+import json, sys, torch
 from quantkit.calibration import CalibrationSpec, load_calibration
 from quantkit.model.source import open_model
 m = open_model('demo:smollm2-135m')
 c = load_calibration(CalibrationSpec(source=sys.argv[1], samples=int(sys.argv[2]), seqlen=512, seed=0), m)
-torch.save({'tokens': c.tokens, 'hash': c.token_hash, 'folder': str(m.folder)}, sys.argv[3])
+torch.save({'tokens': c.tokens}, sys.argv[3])
+print('DRAWN ' + json.dumps({'hash': c.token_hash, 'folder': str(m.folder)}))
 """
 
 GPTQMODEL = """
@@ -101,13 +102,11 @@ def main() -> None:
     calib = str(SHARED / "wikitext2-valid.txt")
     tokens_file = WORK / "calibration.pt"
     run(child(DRAW, calib, str(args.samples), str(tokens_file)))
-    folder = subprocess.run([sys.executable, "-c", f"import torch; print(torch.load({str(tokens_file)!r})['folder'])"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    token_hash = subprocess.run([sys.executable, "-c", f"import torch; print(torch.load({str(tokens_file)!r})['hash'])"],
-                                capture_output=True, text=True, check=True).stdout.strip()
+    drawn = [ln for ln in (WORK / "last_command.log").read_text().splitlines() if ln.startswith("DRAWN ")][-1]
+    drawn = json.loads(drawn[len("DRAWN "):])
+    folder, token_hash = drawn["folder"], drawn["hash"]
     env = {"GPTQMODEL_CPU_WORKERS": str(THREADS), "PYTHON_GIL": "1"}
     rows = []
-    rtn_done = False
     for key in args.settings.split(","):
         setting = SETTINGS[key]
         qk_out = WORK / f"quantkit-{key}"
@@ -131,12 +130,10 @@ def main() -> None:
         row["rss_ratio"] = round(qk_rss / gm_rss, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if not rtn_done:
-            rtn_out = WORK / "quantkit-rtn"
-            subprocess.run(["rm", "-rf", str(rtn_out)], check=True)
-            run(child(QUANTKIT, calib, str(args.samples), "4bit-g128-rtn", str(rtn_out)))
-            rtn = {"setting": "4bit-g128-rtn", **_metrics(evaluate(next(rtn_out.iterdir()), args.windows))}
-            rtn_done = True
+    rtn_out = WORK / "quantkit-rtn"  # the floor: round to nearest on the same grid
+    subprocess.run(["rm", "-rf", str(rtn_out)], check=True)
+    run(child(QUANTKIT, calib, str(args.samples), "4bit-g128-rtn", str(rtn_out)))
+    rtn = {"setting": "4bit-g128-rtn", **_metrics(evaluate(next(rtn_out.iterdir()), args.windows))}
     gm_version = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('gptqmodel'))"],
                                 capture_output=True, text=True).stdout.strip()
     report = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {THREADS} cores, {platform.platform()}",

@@ -236,3 +236,15 @@ def test_self_generated_calibration_needs_no_dataset(tiny_gguf_source, tmp_path)
     calib = json.loads((folder / "quantkit.json").read_text())["calibration"]
     assert calib["source"] == "self" and calib["samples"] == 2 and len(calib["token_hash"]) == 64
     assert GPTQCheckpoint(folder).layer(0)["self_attn.q_proj.weight"].shape == (256, 256)
+
+
+def test_qwen2_biases_are_kept_in_float16(tmp_path):
+    src = make_checkpoint(tmp_path / "qwen2", "qwen2", hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=320,
+                          bpe=True)
+    (folder,) = api.convert(str(src), ["gptq:4bit-g32-rtn"], tmp_path / "out", options={"device": "cpu"})
+    w, base = SafetensorsCheckpoint(folder), Checkpoint(src)
+    for p in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.1.self_attn.{p}.bias"
+        assert w.entries[name].dtype == "F16"
+        assert torch.equal(w.get(name), base.tensor(name).to(torch.float16))
+    assert GPTQCheckpoint(folder).layer(1)["self_attn.q_proj.bias"].dtype == torch.float16

@@ -39,7 +39,8 @@ class LayerQuantizer(Protocol):
         """x: (tokens, in_features), the input of `group`'s linears for one batch, in the compute dtype."""
 
     def quantize_group(self, layer: int, group: InputGroup, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Quantize `group`'s linears; return their dequantized weights by name ("mlp.up_proj.weight")."""
+        """Quantize `group`'s linears from `weights` (the layer's source tensors, as stored); return their
+        dequantized weights by name ("mlp.up_proj.weight")."""
 
     def finish_layer(self, layer: int, source: dict[str, torch.Tensor]) -> None:
         """The layer is done (write it out); `source` holds its original tensors."""
@@ -84,8 +85,8 @@ def quantize_layer(layer: int, h: torch.Tensor, source: dict[str, torch.Tensor],
     def rows(x: torch.Tensor) -> torch.Tensor:  # what the linears see: their input in the compute dtype
         return x.reshape(-1, x.shape[-1]).to(compute_dtype)
 
-    def take(group: InputGroup) -> None:
-        new = quantizer.quantize_group(layer, group, w)
+    def take(group: InputGroup) -> None:  # quantizers get the weights in their source precision
+        new = quantizer.quantize_group(layer, group, source)
         w.update({k: v.to(device=device, dtype=compute_dtype) for k, v in new.items()})
 
     def attn(hs: torch.Tensor) -> torch.Tensor:

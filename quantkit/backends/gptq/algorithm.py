@@ -9,6 +9,8 @@ Steps (../shared/docs/formats/gptq.md §6):
 2. act-order: visit columns by decreasing H[d, d] (most active inputs first, while most error can still be
    compensated).  Groups are then runs of `group_size` columns in visiting order, unless `static_groups`,
    where each group's grid is fixed up front from the untouched weights of the original column order.
+   Without act-order the default is group-aware order: whole groups of original columns, the group with the
+   most active input first, columns by decreasing H[d, d] inside each group (storage stays g_idx = i // g).
 3. Damp: H += λ·mean(diag H)·I, λ = `damp`; if the Cholesky factorization fails, λ grows by
    `damp_step` until it succeeds (or reaches 1, then the layer is reported as numerically broken).
 4. U = upper Cholesky factor of H⁻¹.  For each column i: pick the group's grid when a group starts,
@@ -209,7 +211,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, s: GPTQSettings) -> GPTQResu
                 if static is not None:
                     scale, zero = static[g]
                 else:  # its columns are the next ones in visiting order (whole groups sit inside a block)
-                    scale, zero = _grid(W1[:, i:i + min(gs, K - g * gs) if fixed_groups else i + gs], s)
+                    scale, zero = _grid(W1[:, i:i + min(gs, K - g * gs)], s)
                     scales[:, g], zeros[:, g] = scale, zero
             w = W1[:, i]
             c = torch.div(w, scale).round_().add_(zero).clamp_(0, s.maxq)
@@ -220,8 +222,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, s: GPTQSettings) -> GPTQResu
         W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
         loss += 0.5 * Err1.pow(2).sum().item()
 
-    g_visit = group_of
-    Q = scales[:, g_visit] * (C - zeros[:, g_visit])
+    Q = scales[:, group_of] * (C - zeros[:, group_of])
     inv = torch.argsort(perm)
     return GPTQResult(codes=C[:, inv].to(torch.uint8), scales=scales, zeros=zeros.to(torch.int64),
                       g_idx=group_of[inv].to(torch.int32), weight=Q[:, inv], damp=damp, loss=loss)

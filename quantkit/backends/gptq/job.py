@@ -98,11 +98,15 @@ class GPTQJob:
         return out
 
     def finish_layer(self, layer: int, source: dict[str, torch.Tensor]) -> None:
+        """Norms as they are; biases of quantized linears in float16 (as GPTQ kernels take them)."""
         prefix = self.model.adapter.prefix(layer)
         for rel, t in source.items():
             full = prefix + rel
-            if full.rsplit(".", 1)[0] not in self.linears:  # norms; linears and their biases are written already
+            base, _, leaf = full.rpartition(".")
+            if base not in self.linears:
                 self.writer.put(full, t)
+            elif leaf == "bias":
+                self.writer.put(full, t.to(torch.float16))
 
     # --- without calibration (round to nearest) -------------------------------------------
     def run_uncalibrated(self, progress_task=None) -> None:
@@ -124,8 +128,6 @@ class GPTQJob:
         self.writer.put(f"{name}.qzeros", pack_zeros(stored, s.bits))
         self.writer.put(f"{name}.scales", r.scales[rows].T.contiguous().to(torch.float16))
         self.writer.put(f"{name}.g_idx", r.g_idx.to(torch.int32))
-        if self.linears[name].bias:
-            self.writer.put(f"{name}.bias", self.model.tensor(f"{name}.bias").to(torch.float16))
 
     def finish(self) -> Path:
         """Write the remaining tensors and the side files; return the folder."""
