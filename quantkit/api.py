@@ -119,13 +119,13 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
 
 def calibration_spec(options: dict, formats: list[str]):
     """The CalibrationSpec the options ask for; a usage error naming the flags if there is none."""
-    from .calibration import CalibrationSpec
+    from .calibration import CalibrationSpec, calibration_size
     if not options.get("calib"):
         raise UsageError(f"{', '.join(formats)} needs calibration data: add --calib FILE (.txt/.jsonl/.parquet), "
                          f"--calib hf:NAME[:CONFIG]:SPLIT[:COLUMN] or --calib self")
-    return CalibrationSpec(source=str(options["calib"]), samples=int(options.get("calib_samples") or 128),
-                           seqlen=int(options.get("calib_seqlen") or 512), seed=int(options.get("seed") or 0),
-                           column=options.get("calib_column"))
+    samples, seqlen = calibration_size(options)
+    return CalibrationSpec(source=str(options["calib"]), samples=samples, seqlen=seqlen,
+                           seed=int(options.get("seed") or 0), column=options.get("calib_column"))
 
 
 def _convert_calibrated(model, items, options: dict, progress: Progress) -> tuple[list[Path], dict | None]:

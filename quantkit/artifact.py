@@ -22,10 +22,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_base_name(name: str) -> str:
+    """A model spec's last part: 'demo:smollm2-135m' -> 'smollm2-135m', 'org/Name' or a folder path -> 'Name'."""
+    return name.split(":", 1)[-1].rstrip("/").split("/")[-1]
+
+
 def model_stem(name: str) -> str:
-    """A model spec's last part, safe as a file name: 'demo:smollm2-135m' -> 'smollm2-135m', 'org/Name' -> 'Name'."""
-    last = name.split(":", 1)[-1].rstrip("/").split("/")[-1]
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", last) or "model"
+    """`model_base_name`, safe as a file name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", model_base_name(name)) or "model"
 
 
 def ensure_output_dir(out: Path) -> Path:

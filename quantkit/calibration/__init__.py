@@ -6,7 +6,7 @@ quantkit.json.  Sources: a local .txt/.jsonl/.parquet file, ``hf:NAME[:CONFIG]:S
 (see `quantkit.calibration.spec`).
 """
 from .data import CalibrationSet, draw_windows, load_calibration, token_hash
-from .spec import CalibrationSource, CalibrationSpec, parse_calibration_source
+from .spec import CalibrationSource, CalibrationSpec, calibration_size, parse_calibration_source
 
-__all__ = ["CalibrationSet", "CalibrationSource", "CalibrationSpec", "draw_windows", "load_calibration",
+__all__ = ["CalibrationSet", "CalibrationSource", "CalibrationSpec", "calibration_size", "draw_windows", "load_calibration",
            "parse_calibration_source", "token_hash"]

@@ -123,6 +123,12 @@ def _parse_hf(text: str) -> CalibrationSource:
                              split=split, column=column)
 
 
+def calibration_size(options: dict) -> tuple[int, int]:
+    """(samples, seqlen) from convert options, with CalibrationSpec's defaults where they are not given."""
+    return (int(options.get("calib_samples") or CalibrationSpec.samples),
+            int(options.get("calib_seqlen") or CalibrationSpec.seqlen))
+
+
 @dataclass
 class CalibrationSpec:
     """What to calibrate on.

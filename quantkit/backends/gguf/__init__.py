@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from .. import Backend, Plan, PlanRow
-from ...artifact import model_stem
+from ...artifact import model_base_name, model_stem
+from ...calibration.spec import calibration_size
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
@@ -19,11 +20,6 @@ from . import encoders, mixtures
 from .reader import GGUFModel, describe
 from .tensors import gguf_tensors
 from .writer import FileJob, tensor_nbytes, write_files
-
-
-def base_name(model: Checkpoint) -> str:
-    """'demo:smollm2-135m' -> 'smollm2-135m', 'org/Name' or a folder path -> its last part."""
-    return model.name.split(":", 1)[-1].rstrip("/").split("/")[-1]
 
 
 def output_name(model: Checkpoint, file_type: str) -> str:
@@ -65,8 +61,9 @@ class GGUFBackend(Backend):
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
         device = resolve_device(options.get("device"))
         if options.get("imatrix"):
+            samples, seqlen = calibration_size(options)
             plan.extra["importance matrix"] = f"from the calibration pass over {options.get('calib')} " \
-                                              f"({options.get('calib_samples') or 128} × {options.get('calib_seqlen') or 512} tokens)"
+                                              f"({samples} × {seqlen} tokens)"
         plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}"
         return plan
 
@@ -75,7 +72,7 @@ class GGUFBackend(Backend):
         tensors = gguf_tensors(model)
         jobs = [FileJob(Path(plan.output), int(spec.file_type),
                         {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
-        return write_files(model, tensors, jobs, name=base_name(model), device=resolve_device(options.get("device")),
+        return write_files(model, tensors, jobs, name=model_base_name(model.name), device=resolve_device(options.get("device")),
                            tokenizer_pre=options.get("tokenizer_pre"), progress=progress,
                            imatrix=options.get("imatrix_data"), imatrix_info=options.get("imatrix_info"))
 

@@ -10,6 +10,7 @@ import torch
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_stem
 from ...calibration.capture import batch_for, default_compute_dtype
+from ...calibration.spec import calibration_size
 from ...device import resolve_device
 from ...model.checkpoint import Checkpoint
 from . import spec as gptq_spec
@@ -89,7 +90,7 @@ class GPTQBackend(Backend):
                 rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
         plan = Plan("gptq", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
         device = resolve_device(options.get("device"))
-        samples, seqlen = int(options.get("calib_samples") or 128), int(options.get("calib_seqlen") or 512)
+        samples, seqlen = calibration_size(options)
         if not rtn:
             plan.extra["calibration"] = f"{options.get('calib') or '(none given: --calib is required)'}, " \
                                         f"{samples} × {seqlen} tokens, seed {options.get('seed') or 0}"
