@@ -47,6 +47,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
+from .fusion import fused
+
 __all__ = ["quantize", "dequantize", "SUPPORTED"]
 
 QT = GGMLQuantizationType
@@ -146,12 +148,67 @@ def _f16r(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).to(_F32)
 
 
-def _seqsum(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
+def _seqsum_loop(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
     """Sequential float32 sum over dim 0: ((0 + t0) + t1) + ... like a C loop."""
     acc = t[0] + 0.0 if from_zero else t[0].clone()
     for j in range(1, t.shape[0]):
         acc.add_(t[j])
     return acc
+
+
+def _seqsum_index_add(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
+    """The same sum as one call: on the CPU, index_add_ with every index 0 adds
+    the source rows into the output row one after another, each row a single
+    float32 add (one op instead of n, which matters for small chunks)."""
+    t = t.contiguous()
+    if from_zero:
+        acc = torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    else:
+        acc, t = t[:1].clone(), t[1:]
+    acc.index_add_(0, _zero_index(t.shape[0], t.device), t)
+    return acc[0]
+
+
+_ZERO_INDEX: dict = {}
+
+
+def _zero_index(n: int, device) -> torch.Tensor:
+    key = (n, str(device))
+    idx = _ZERO_INDEX.get(key)
+    if idx is None:
+        idx = _ZERO_INDEX[key] = torch.zeros(n, dtype=torch.int64, device=device)
+    return idx
+
+
+_INDEX_ADD_SEQUENTIAL: bool | None = None
+
+
+def _index_add_is_sequential() -> bool:
+    """index_add_'s accumulation order is an implementation detail of ATen's CPU
+    kernel, so check it once per process on values where any other order or an
+    extended-precision accumulator changes the result; fall back to the loop
+    when it does not hold."""
+    global _INDEX_ADD_SEQUENTIAL
+    if _INDEX_ADD_SEQUENTIAL is None:
+        g = torch.Generator().manual_seed(12345)
+        ok = True
+        for shape in ((32, 3, 1037), (16, 4099), (7, 33), (32, 1)):
+            mag = torch.pow(10.0, torch.randint(-8, 9, shape, generator=g).to(_F32))
+            t = torch.randn(shape, generator=g) * mag
+            for fz in (True, False):
+                a = _seqsum_loop(t, fz).view(torch.int32)
+                b = _seqsum_index_add(t, fz).view(torch.int32)
+                ok = ok and torch.equal(a, b)
+        _INDEX_ADD_SEQUENTIAL = ok
+    return _INDEX_ADD_SEQUENTIAL
+
+
+def _seqsum(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
+    """Sequential float32 sum over dim 0 (see _seqsum_loop).  CUDA's index_add_
+    uses atomics (any order), so there the loop is used."""
+    if t.device.type == "cpu" and t.shape[0] > 2 and _index_add_is_sequential():
+        return _seqsum_index_add(t, from_zero)
+    return _seqsum_loop(t, from_zero)
 
 
 def _signed_absmax(x: torch.Tensor):
@@ -249,6 +306,29 @@ def _bits32(hb: torch.Tensor) -> torch.Tensor:
 # search helpers (vectorized over columns = blocks)
 # ----------------------------------------------------------------------------
 
+@fused
+def _qx_candidate(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
+    """One candidate scale of make_qx_quants, position by position (x, w, wx:
+    (n, m); the rest (m,) or 0-dim).  Returns the updated (scale, best, isc_sel):
+    the reference keeps the first candidate, then takes a later one only when
+    it is strictly better (sumlx^2/suml2 larger)."""
+    iscale = _div(num, mx)
+    sumlx = suml2 = None
+    for xj, wj, wxj in zip(x.unbind(0), w.unbind(0), wx.unbind(0)):
+        # |iscale*x| <= nmax + 1 here, so plain rounding equals nearest_int
+        lj = torch.round(xj * iscale).clamp(min=-nmax).minimum(nmax - 1)
+        a, b = wxj * lj, (wj * lj) * lj
+        sumlx, suml2 = (a, b) if sumlx is None else (sumlx + a, suml2 + b)
+    q = _div(sumlx, suml2)
+    # `first` is a 0-dim bool tensor (one compiled graph for both cases)
+    scale0 = torch.where(suml2 != 0, q, torch.zeros_like(q))
+    upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+    scale1 = torch.where(upd, q, scale)
+    return (torch.where(first, scale0, scale1),
+            torch.where(first, scale0 * sumlx, torch.where(upd, scale1 * sumlx, best)),
+            torch.where(first, iscale, torch.where(upd, iscale, isc_sel)))
+
+
 def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
     """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=w).  x: (n, m).
     Returns (scale (m,), L (n, m) float32 holding l + nmax, or 0 for all-zero groups)."""
@@ -258,32 +338,41 @@ def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
         w = x * x
     wx = w * x
     # candidate numerators: is = 0 (base) then -9..9 without 0
-    iss = [i for i in range(-9, 10) if i != 0]
-    cpu = torch.tensor(iss, dtype=_F32)
+    iss = torch.tensor([i for i in range(-9, 10) if i != 0], dtype=_F32)
     nums = torch.cat([torch.tensor([-float(nmax)], dtype=_F32),
-                      -(torch.tensor(float(nmax), dtype=_F32) + torch.tensor(0.1, dtype=_F32) * cpu)])
+                      -(torch.tensor(float(nmax), dtype=_F32) + torch.tensor(0.1, dtype=_F32) * iss)])
     nums = nums.to(x.device)
-    iscale = _div(nums.unsqueeze(1), mx.unsqueeze(0))                  # (C, m)
-    # |iscale*x| <= nmax + 1 here, so plain rounding equals nearest_int
-    l = torch.mul(x.unsqueeze(1), iscale.unsqueeze(0)).round_().clamp_(-nmax, nmax - 1)  # (n, C, m)
-    buf = torch.empty((x.shape[0], 2) + tuple(l.shape[1:]), dtype=_F32, device=x.device)
-    torch.mul(l, wx.unsqueeze(1), out=buf[:, 0])
-    torch.mul(l, w.unsqueeze(1), out=buf[:, 1]).mul_(l)
-    sums = _seqsum(buf)
-    sumlx, suml2 = sums[0], sums[1]                                    # (C, m)
-    q = _div(sumlx, suml2)
-    scale = torch.where(suml2[0] != 0, q[0], torch.zeros_like(q[0]))
-    best = scale * sumlx[0]
-    sel = torch.zeros_like(mx, dtype=torch.int64)
-    for c in range(1, nums.shape[0]):
-        upd = (suml2[c] > 0) & (sumlx[c] * sumlx[c] > best * suml2[c])
-        scale = torch.where(upd, q[c], scale)
-        best = torch.where(upd, scale * sumlx[c], best)
-        sel = torch.where(upd, torch.full_like(sel, c), sel)
-    L = l.gather(1, sel.view(1, 1, -1).expand(l.shape[0], 1, -1)).squeeze(1) + nmax
+    nmax_t = torch.tensor(float(nmax), device=x.device)
+    state = tuple(torch.zeros_like(mx) for _ in range(3))     # distinct tensors: no aliasing guards
+    is_first = (torch.tensor(True, device=x.device), torch.tensor(False, device=x.device))
+    for c in range(nums.shape[0]):
+        state = _qx_candidate(x, w, wx, mx, nums[c], nmax_t, *state, is_first[c > 0])
+    scale, _, isc_sel = state
+    # the winner's L again (same ops => same values)
+    L = torch.round(x * isc_sel).clamp_(-nmax, nmax - 1) + nmax
     L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
+
+
+def _q3_pass(x, w, wx, L, sumlx, suml2, nmax: int):
+    """One coordinate-descent pass of make_q3_quants over the positions of each
+    group (x, w, wx, L: (n, m)).  Returns (L, sumlx, suml2, changed)."""
+    rows = []
+    changed = None
+    for xi, wi, wxi, Li in zip(x.unbind(0), w.unbind(0), wx.unbind(0), L.unbind(0)):
+        slx = sumlx - wxi * Li
+        sl2 = suml2 - (wi * Li) * Li
+        new_l = _nearest_int(_div(xi * sl2, slx)).clamp(-nmax, nmax - 1).to(_F32)
+        slx_n = slx + wxi * new_l
+        sl2_n = sl2 + (wi * new_l) * new_l
+        acc = ((slx > 0) & (new_l != Li) & (sl2_n > 0)
+               & ((slx_n * slx_n) * suml2 > (sumlx * sumlx) * sl2_n))
+        rows.append(torch.where(acc, new_l, Li))
+        sumlx = torch.where(acc, slx_n, sumlx)
+        suml2 = torch.where(acc, sl2_n, suml2)
+        changed = acc if changed is None else changed | acc
+    return torch.stack(rows), sumlx, suml2, changed
 
 
 def _make_q3_quants(x: torch.Tensor, nmax: int):
@@ -291,12 +380,11 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     amax, mx = _signed_absmax(x)
     zero = amax < _GROUP_MAX_EPS
     iscale = _div(-float(nmax), mx)
-    L = _rnd(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1).contiguous()
+    L = _rnd(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1)
     w = x * x
     wx = w * x
     sums = _seqsum(torch.stack([wx * L, (w * L) * L], 1))
     sumlx, suml2 = sums[0].clone(), sums[1].clone()
-    n = x.shape[0]
     # Coordinate descent, up to 5 passes.  A pass that changes nothing in a
     # group leaves its state untouched, so every later pass is a no-op for it:
     # after each pass only the groups that changed are carried on (compacted).
@@ -307,22 +395,9 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
         else:
             xa, wa, wxa, La = x[:, act], w[:, act], wx[:, act], L[:, act]
             slx_a, sl2_a = sumlx[act], suml2[act]
-        changed = torch.zeros(xa.shape[1], dtype=torch.bool, device=x.device)
-        for i in range(n):
-            wi, wxi, xi, Li = wa[i], wxa[i], xa[i], La[i]
-            slx = slx_a - wxi * Li
-            sl2 = sl2_a - (wi * Li) * Li
-            new_l = _nearest_int(_div(xi * sl2, slx)).clamp_(-nmax, nmax - 1).to(_F32)
-            slx_n = slx + wxi * new_l
-            sl2_n = sl2 + (wi * new_l) * new_l
-            acc = ((slx > 0) & (new_l != Li) & (sl2_n > 0)
-                   & ((slx_n * slx_n) * sl2_a > (slx_a * slx_a) * sl2_n))
-            torch.where(acc, new_l, Li, out=Li)
-            slx_a = torch.where(acc, slx_n, slx_a)
-            sl2_a = torch.where(acc, sl2_n, sl2_a)
-            changed |= acc
+        La, slx_a, sl2_a, changed = _q3_pass(xa, wa, wxa, La, slx_a, sl2_a, nmax)
         if act is None:
-            sumlx, suml2 = slx_a, sl2_a
+            L, sumlx, suml2 = La, slx_a, sl2_a
             act = torch.nonzero(changed).squeeze(1)
         else:
             L[:, act] = La
@@ -336,6 +411,46 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
+
+
+@fused
+def _qkx_candidate(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
+                   best, scale, isc_w, cur_w, won, cur, use_mad: bool, exact: bool):
+    """One candidate of make_qkx2/3_quants' search, position by position
+    (x, w: (n, m); everything else (m,) or 0-dim).  Returns the updated
+    (best, scale, isc_w, cur_w, won, cur) and whether some lane needed the
+    exact nearest_int (then the caller re-runs the step with exact=True)."""
+    isc = _div(num, mx - cur)
+    # cur (a least-squares min) can lie above the smallest x when weights
+    # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
+    bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
+    big = ((~(bound < _SAFE_ROUND)) & ~degenerate).any()
+    ls = []
+    sum_l = sum_l2 = sum_xl = None
+    for xj, wj in zip(x.unbind(0), w.unbind(0)):
+        f = (xj - cur) * isc
+        lj = (_ni(f) if exact else torch.round(f)).clamp(min=0).minimum(nmax)
+        ls.append(lj)
+        wl = wj * lj
+        if sum_l is None:
+            sum_l, sum_l2, sum_xl = wl, wl * lj, wl * xj
+        else:
+            sum_l, sum_l2, sum_xl = sum_l + wl, sum_l2 + wl * lj, sum_xl + wl * xj
+    D = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
+    this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
+    pos = this_min > 0
+    this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
+    this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
+    err = None
+    for xj, wj, lj in zip(x.unbind(0), w.unbind(0), ls):
+        diff = lj * this_scale + this_min - xj
+        e = (diff.abs() if use_mad else diff * diff) * wj
+        err = e if err is None else err + e
+    upd = (D > 0) & (err < best)
+    return (torch.where(upd, err, best), torch.where(upd, this_scale, scale),
+            torch.where(upd, isc, isc_w), torch.where(upd, cur, cur_w), won | upd,
+            torch.where(upd, this_min, cur), big)
 
 
 def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
@@ -367,44 +482,15 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     ist = torch.arange(nstep + 1, dtype=_F32)
     nums = (torch.tensor(rmin, dtype=_F32) + torch.tensor(rdelta, dtype=_F32) * ist) + float(nmax)
     nums = nums.to(x.device)
-    cur = mn
-    n = x.shape[0]
-    won = torch.zeros_like(degenerate)
-    isc_w = torch.zeros_like(mx)
-    cur_w = torch.zeros_like(mx)
-    buf = torch.empty((n, 3) + tuple(x.shape[1:]), dtype=_F32, device=x.device)
-    wl, wl2, wlx = buf[:, 0], buf[:, 1], buf[:, 2]
+    state = (best, scale, torch.zeros_like(mx), torch.zeros_like(mx), torch.zeros_like(degenerate), mn)
+    fixed = (x, w, xmin, mx, degenerate, sum_w, sum_x, torch.tensor(float(nmax), device=x.device))
     for c in range(nstep + 1):
-        isc = _div(nums[c], mx - cur)
-        # cur (a least-squares min) can lie above the smallest x when weights
-        # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
-        bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
-        bound = torch.where(degenerate, torch.zeros_like(bound), bound)
-        la = _round_ni(torch.sub(x, cur).mul_(isc), _any_big(bound)).clamp_(0, nmax)
-        torch.mul(w, la, out=wl)
-        torch.mul(wl, la, out=wl2)
-        torch.mul(wl, x, out=wlx)
-        sums = _seqsum(buf)
-        sum_l, sum_l2, sum_xl = sums[0], sums[1], sums[2]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
-        this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
-        pos = this_min > 0
-        this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
-        this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
-        diff = torch.mul(la, this_scale).add_(this_min).sub_(x)
-        if use_mad:
-            diff.abs_()
-        else:
-            diff.mul_(diff)
-        err = _seqsum(diff.mul_(w))
-        upd = (D > 0) & (err < best)
-        best = torch.where(upd, err, best)
-        scale = torch.where(upd, this_scale, scale)
-        isc_w = torch.where(upd, isc, isc_w)
-        cur_w = torch.where(upd, cur, cur_w)
-        won |= upd
-        cur = torch.where(upd, this_min, cur)
+        num = nums[c]
+        new = _qkx_candidate(*fixed, num, *state, use_mad, False)
+        if bool(new[-1]):
+            new = _qkx_candidate.fn(*fixed, num, *state, use_mad, True)
+        state = new[:-1]
+    best, scale, isc_w, cur_w, won, cur = state
     # rebuild the winning candidate's L (same ops => same values)
     bound = isc_w.abs() * torch.maximum((xmin - cur_w).abs(), (mx - cur_w).abs())
     bound = torch.where(won, bound, torch.zeros_like(bound))
@@ -832,23 +918,24 @@ _ENCODERS = {
     QT.Q4_1: (_enc_q4_1, 1, True),
     QT.Q5_0: (_enc_q5_0, 1, True),
     QT.Q5_1: (_enc_q5_1, 1, True),
-    QT.Q2_K: (_enc_q2_k, 4, False),
+    QT.Q2_K: (_enc_q2_k, 1, False),
     QT.Q3_K: (_enc_q3_k, 1, False),
-    QT.Q4_K: (_enc_q4_k, 4, False),
-    QT.Q5_K: (_enc_q5_k, 4, False),
-    QT.Q6_K: (_enc_q6_k, 19, False),
+    QT.Q4_K: (_enc_q4_k, 1, False),
+    QT.Q5_K: (_enc_q5_k, 1, False),
+    QT.Q6_K: (_enc_q6_k, 2, False),
     QT.IQ4_NL: (_enc_iq4_nl, 16, False),
     QT.IQ4_XS: (_enc_iq4_xs, 16, False),
 }
-# with an importance matrix the legacy types run a 19/37-candidate search
-_IMATRIX_WORK = {QT.Q4_0: 19, QT.Q5_0: 19, QT.Q4_1: 4, QT.Q5_1: 4, QT.Q2_K: 4,
-                 QT.Q3_K: 19, QT.Q4_K: 4, QT.Q5_K: 4}
+# with an importance matrix the legacy types run a 19/37-candidate search (chunk sizing)
+_IMATRIX_WORK = {QT.Q4_0: 2, QT.Q5_0: 2, QT.Q4_1: 1, QT.Q5_1: 1, QT.Q2_K: 1,
+                 QT.Q3_K: 2, QT.Q4_K: 1, QT.Q5_K: 1}
 # types whose llama.cpp quantizer ignores the importance matrix
 _IMATRIX_IGNORED = {QT.Q8_0, QT.F32, QT.F16, QT.BF16}
 
 
 def _chunk_elems(device: torch.device) -> int:
-    return (1 << 26) if device.type == "cuda" else (1 << 20)
+    import os
+    return (1 << 26) if device.type == "cuda" else (1 << int(os.environ.get("QK_CHUNK", "20")))
 
 
 def _bf16_bits(xf: torch.Tensor) -> torch.Tensor:

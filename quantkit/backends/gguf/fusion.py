@@ -1,0 +1,122 @@
+"""Fused CPU kernels for the encoders' hot loops, through torch.compile.
+
+The scale searches of the K-quants visit each block 16-37 times with a dozen
+element-wise operations per visit.  Run as separate torch ops, every operation
+streams the whole chunk through memory (and pays a dispatch), so the encoders
+were 2-5x slower than llama.cpp's scalar C.  The search steps are therefore
+written position by position over (m,)-shaped rows (all operations point-wise
+over the blocks), which lets Inductor fuse one step into a single loop over the
+blocks that keeps a block's values in registers.
+
+The fused step is the same torch code as the eager one, and it keeps
+llama.cpp's bytes because Inductor compiles C++ without FMA contraction and
+without unsafe-math reassociation (torch._inductor.config.cpp defaults), and
+every sum is written as explicit left-to-right additions.  Still, a compiled
+function is used only after it reproduced the eager function bit for bit on a
+probe input in this process; otherwise (no C++ compiler, an unsupported Python,
+a different result) the eager function runs.  QUANTKIT_COMPILE=0 always runs
+eagerly, =1 compiles from the first call, and the default compiles once a
+process has done enough work for the compile to pay (see _AUTO_ELEMENTS).  CUDA runs eagerly: its kernels are already fused enough, and
+Triton's float division is not guaranteed to be correctly rounded.
+
+Compiling takes ~25 s per step function on 2 cores the first time on a
+machine and ~6 s in later processes (Inductor's on-disk cache skips the C++
+build, not the tracing).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+__all__ = ["fused", "compile_mode"]
+
+
+# Compiling costs seconds (about 6 s per step function with a warm on-disk
+# cache, ~25 s cold), so by default a step runs eagerly until this process has
+# pushed this many elements through it (about 4 s of eager work on 2 cores):
+# small conversions never pay for a compile, large ones switch early.
+_AUTO_ELEMENTS = 700_000_000
+
+
+def compile_mode() -> str:
+    """QUANTKIT_COMPILE: 0 = never, 1 = from the first call, auto (default) = once the work pays."""
+    v = os.environ.get("QUANTKIT_COMPILE", "auto").strip().lower()
+    if v in ("0", "false", "no", "off", "never"):
+        return "never"
+    if v in ("1", "true", "yes", "on", "always"):
+        return "always"
+    return "auto"
+
+
+_PROBE_COLUMNS = 61     # three full 16-lane vectors and a tail
+
+
+class _Fused:
+    """Callable that runs `fn` compiled on CPU tensors, per specialization
+    (leading dimensions and non-tensor arguments), once the compiled function
+    reproduced the eager one bit for bit on the first columns of that first
+    call's own data; eagerly otherwise.  Tensors' last dimension is the blocks."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.compiled: Callable | None = None
+        self.verdict: dict = {}         # specialization -> compiled ok?
+        self.eager_elements = 0
+
+    def _key(self, args) -> tuple:
+        return tuple(tuple(a.shape[:-1]) + (a.dtype,) if isinstance(a, torch.Tensor) else ("v", a) for a in args)
+
+    def _verify(self, args) -> bool:
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(self.fn, dynamic=True)
+            m = max((a.shape[-1] for a in args if isinstance(a, torch.Tensor) and a.dim()), default=0)
+            probe = [a[..., :_PROBE_COLUMNS].clone()
+                     if isinstance(a, torch.Tensor) and a.dim() and a.shape[-1] == m else a for a in args]
+            want = self.fn(*probe)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = self.compiled(*probe)
+        except Exception:               # no C++ compiler, unsupported Python, ...: stay eager
+            return False
+        return _bits_equal(want, got)
+
+    def __call__(self, *args):
+        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
+            return self.fn(*args)
+        mode = compile_mode()
+        if mode == "never":
+            return self.fn(*args)
+        if mode == "auto" and self.eager_elements < _AUTO_ELEMENTS:
+            self.eager_elements += args[0].numel()
+            return self.fn(*args)
+        # views would make dynamo guard on their base tensors (and recompile
+        # for every new base): hand over plain tensors
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
+        key = self._key(args)
+        ok = self.verdict.get(key)
+        if ok is None:
+            ok = self.verdict[key] = self._verify(args)
+        return self.compiled(*args) if ok else self.fn(*args)
+
+
+def _bits_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype == torch.float32:
+            a, b = a.view(torch.int32), b.view(torch.int32)
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return (isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(_bits_equal(x, y) for x, y in zip(a, b)))
+    return a == b
+
+
+def fused(fn: Callable) -> _Fused:
+    """Decorator: compile the function for CPU tensors (see module docstring)."""
+    return _Fused(fn)
