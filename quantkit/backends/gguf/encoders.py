@@ -418,18 +418,18 @@ def _qkx_candidate(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
                    best, scale, isc_w, cur_w, won, cur, use_mad: bool, exact: bool):
     """One candidate of make_qkx2/3_quants' search, position by position
     (x, w: (n, m); everything else (m,) or 0-dim).  Returns the updated
-    (best, scale, isc_w, cur_w, won, cur) and whether some lane needed the
-    exact nearest_int (then the caller re-runs the step with exact=True)."""
+    (best, scale, isc_w, cur_w, won, cur) and which lanes needed the exact
+    nearest_int (if any did, the caller re-runs the step with exact=True)."""
     isc = _div(num, mx - cur)
     # cur (a least-squares min) can lie above the smallest x when weights
     # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
     bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
-    big = ((~(bound < _SAFE_ROUND)) & ~degenerate).any()
+    big = (~(bound < _SAFE_ROUND)) & ~degenerate    # per lane: reducing here would split the kernel
     ls = []
     sum_l = sum_l2 = sum_xl = None
     for xj, wj in zip(x.unbind(0), w.unbind(0)):
         f = (xj - cur) * isc
-        lj = (_ni(f) if exact else torch.round(f)).clamp(min=0).minimum(nmax)
+        lj = _levels(_ni(f) if exact else torch.round(f), nmax)
         ls.append(lj)
         wl = wj * lj
         if sum_l is None:
@@ -453,28 +453,72 @@ def _qkx_candidate(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
             torch.where(upd, this_min, cur), big)
 
 
+def _levels(r: torch.Tensor, nmax: torch.Tensor) -> torch.Tensor:
+    """MAX(0, MIN(nmax, l)) for rounded values r.  Written so that a zero is
+    always +0.0 and NaN gives 0 (as nearest_int's trick does): clamp would
+    keep -0.0 where a compiled max may not, and the fused kernels must equal
+    the eager ones bit for bit."""
+    return torch.where(r > 0, r, torch.zeros_like(r)).minimum(nmax)
+
+
+@fused
+def _qkx_init(x, w, nmax, use_mad: bool):
+    """The start of make_qkx2/3_quants, position by position (x, w: (n, m)):
+    min (the first smallest x), max, sum_w, sum_x, the min clamped to <= 0,
+    the plain min/max grid's levels L0 (n, m), its scale and weighted error,
+    and the lanes whose levels need the exact nearest_int (an iscale that
+    overflowed for a subnormal range; the caller then re-runs eagerly with
+    exact levels)."""
+    xs, ws = x.unbind(0), w.unbind(0)
+    xmin, mx, sum_w, sum_x = xs[0], xs[0], ws[0], ws[0] * xs[0]
+    for xj, wj in zip(xs[1:], ws[1:]):
+        xmin = torch.where(xj < xmin, xj, xmin)
+        mx = torch.where(xj > mx, xj, mx)
+        sum_w = sum_w + wj
+        sum_x = sum_x + wj * xj
+    mn = torch.where(xmin > 0, torch.zeros_like(xmin), xmin)
+    degenerate = mx <= mn
+    iscale = _div(nmax, mx - mn)
+    scale = _recip(iscale)
+    big = ~(iscale.abs() * (mx - mn) < _SAFE_ROUND) & ~degenerate
+    rows, best = [], None
+    for xj, wj in zip(xs, ws):
+        lj = _levels(torch.round(iscale * (xj - mn)), nmax)
+        rows.append(lj)
+        diff = scale * lj + mn - xj
+        e = wj * (diff.abs() if use_mad else diff * diff)
+        best = e if best is None else best + e
+    return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, torch.stack(rows), big
+
+
+def _qkx_init_exact(x, w, nmax, use_mad: bool):
+    """_qkx_init with nearest_int emulated exactly (rare: see _qkx_init)."""
+    xmin, mx, sum_w, sum_x, mn, degenerate, scale, _, _, _ = _qkx_init.fn(x, w, nmax, use_mad)
+    iscale = _div(nmax, mx - mn)
+    L = _levels(_ni(iscale * (x - mn)), nmax)
+    diff = scale * L + mn - x
+    best = _seqsum(w * (diff.abs() if use_mad else diff * diff))
+    return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, L
+
+
+@fused
+def _qkx_levels(x, isc, cur, nmax):
+    """Levels clamp(nearest_int(isc * (x - cur)), 0, nmax) (x: (n, m)), and
+    the lanes where rounding must be emulated exactly (|argument| may reach 2**21)."""
+    bound = isc.abs() * torch.maximum((x - cur).abs().amax(0), torch.zeros_like(cur))
+    rows = [_levels(torch.round((xj - cur) * isc), nmax) for xj in x.unbind(0)]
+    return torch.stack(rows), ~(bound < _SAFE_ROUND)
+
+
 def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                      nstep: int, use_mad: bool):
     """make_qkx2_quants / make_qkx3_quants (identical once weights are explicit).
     x, w: (n, m).  Returns (scale (m,), the_min (m,) = -min >= 0, L (n, m) float32)."""
-    mn = _first_min(x)
-    xmin = mn
-    mx = x.amax(0)
-    wx = w * x
-    sum_w = _seqsum(w, from_zero=False)
-    sum_x = _seqsum(wx, from_zero=False)
-    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)
-    degenerate = mx <= mn
-    rng = mx - mn
-    xm = x - mn
-    iscale = _div(float(nmax), rng)
-    scale = _recip(iscale)
-    # iscale overflows to inf for subnormal ranges: then emulate nearest_int
-    big0 = _any_big(torch.where(degenerate, torch.zeros_like(iscale), iscale.abs() * rng))
-    L = _round_ni(iscale * xm, big0).clamp_(0, nmax)
-    diff = scale * L + mn - x
-    diff = diff.abs() if use_mad else diff * diff
-    best = _seqsum(w * diff)
+    nmax_t = torch.tensor(float(nmax), device=x.device)
+    init = _qkx_init(x, w, nmax_t, use_mad)
+    if bool(init[-1].any()):
+        init = _qkx_init_exact(x, w, nmax_t, use_mad)
+    xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, L = init[:9]
 
     # The reference overwrites `min` whenever a candidate wins, and later
     # candidates are computed relative to that updated min: the search is
@@ -483,18 +527,18 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     nums = (torch.tensor(rmin, dtype=_F32) + torch.tensor(rdelta, dtype=_F32) * ist) + float(nmax)
     nums = nums.to(x.device)
     state = (best, scale, torch.zeros_like(mx), torch.zeros_like(mx), torch.zeros_like(degenerate), mn)
-    fixed = (x, w, xmin, mx, degenerate, sum_w, sum_x, torch.tensor(float(nmax), device=x.device))
+    fixed = (x, w, xmin, mx, degenerate, sum_w, sum_x, nmax_t)
     for c in range(nstep + 1):
         num = nums[c]
         new = _qkx_candidate(*fixed, num, *state, use_mad, False)
-        if bool(new[-1]):
+        if bool(new[-1].any()):
             new = _qkx_candidate.fn(*fixed, num, *state, use_mad, True)
         state = new[:-1]
     best, scale, isc_w, cur_w, won, cur = state
     # rebuild the winning candidate's L (same ops => same values)
-    bound = isc_w.abs() * torch.maximum((xmin - cur_w).abs(), (mx - cur_w).abs())
-    bound = torch.where(won, bound, torch.zeros_like(bound))
-    la = _round_ni(torch.sub(x, cur_w).mul_(isc_w), _any_big(bound)).clamp_(0, nmax)
+    la, big = _qkx_levels(x, isc_w, cur_w, nmax_t)
+    if bool((big & won).any()):
+        la = _levels(_ni(torch.sub(x, cur_w).mul_(isc_w)), nmax_t)
     L = torch.where(won.unsqueeze(0), la, L)
     mn_best = cur
     L = torch.where(degenerate.unsqueeze(0), torch.zeros_like(L), L)
@@ -918,10 +962,10 @@ _ENCODERS = {
     QT.Q4_1: (_enc_q4_1, 1, True),
     QT.Q5_0: (_enc_q5_0, 1, True),
     QT.Q5_1: (_enc_q5_1, 1, True),
-    QT.Q2_K: (_enc_q2_k, 1, False),
+    QT.Q2_K: (_enc_q2_k, 4, False),
     QT.Q3_K: (_enc_q3_k, 1, False),
-    QT.Q4_K: (_enc_q4_k, 1, False),
-    QT.Q5_K: (_enc_q5_k, 1, False),
+    QT.Q4_K: (_enc_q4_k, 4, False),
+    QT.Q5_K: (_enc_q5_k, 4, False),
     QT.Q6_K: (_enc_q6_k, 2, False),
     QT.IQ4_NL: (_enc_iq4_nl, 16, False),
     QT.IQ4_XS: (_enc_iq4_xs, 16, False),

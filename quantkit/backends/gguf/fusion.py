@@ -52,14 +52,23 @@ def compile_mode() -> str:
     return "auto"
 
 
-_PROBE_COLUMNS = 61     # three full 16-lane vectors and a tail
+# The probe is also the example Inductor sizes its loops by: a small one
+# compiles a single-threaded kernel.  Columns are the call's own, repeated as
+# needed; the odd count exercises the vector loop's tail.
+_PROBE_COLUMNS = 16384 + 13
+
+
+# One step is a few hundred point-wise nodes; Inductor's default cap on a
+# fused kernel (64 nodes) would cut it into loops that store and reload
+# intermediate rows.
+_INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16}
 
 
 class _Fused:
     """Callable that runs `fn` compiled on CPU tensors, per specialization
     (leading dimensions and non-tensor arguments), once the compiled function
-    reproduced the eager one bit for bit on the first columns of that first
-    call's own data; eagerly otherwise.  Tensors' last dimension is the blocks."""
+    reproduced the eager one bit for bit on columns of that first call's own
+    data; eagerly otherwise.  Tensors' last dimension is the blocks."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -73,10 +82,11 @@ class _Fused:
     def _verify(self, args) -> bool:
         try:
             if self.compiled is None:
-                self.compiled = torch.compile(self.fn, dynamic=True)
+                self.compiled = torch.compile(self.fn, dynamic=True, options=_INDUCTOR_OPTIONS)
             m = max((a.shape[-1] for a in args if isinstance(a, torch.Tensor) and a.dim()), default=0)
-            probe = [a[..., :_PROBE_COLUMNS].clone()
-                     if isinstance(a, torch.Tensor) and a.dim() and a.shape[-1] == m else a for a in args]
+            cols = torch.arange(_PROBE_COLUMNS, device=args[0].device) % m
+            probe = [a[..., cols] if isinstance(a, torch.Tensor) and a.dim() and a.shape[-1] == m else a
+                     for a in args]
             want = self.fn(*probe)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
