@@ -260,11 +260,10 @@ def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
     """float32 (m,) -> (2, m) int32 bytes of the ggml fp16 encoding (little-endian)."""
     h = t.to(torch.float16)
     bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
-    # ggml's software converter writes NaN as sign|0x7E00
-    nan = torch.isnan(t)
-    if bool(nan.any()):
-        sign = (t.view(torch.int32) >> 16) & 0x8000
-        bits = torch.where(nan, sign | 0x7E00, bits)
+    # ggml's software converter writes NaN as sign|0x7E00 (no data-dependent
+    # branch here: this also runs inside fused kernels)
+    sign = (t.view(torch.int32) >> 16) & 0x8000
+    bits = torch.where(torch.isnan(t), sign | 0x7E00, bits)
     return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF])
 
 
@@ -355,12 +354,40 @@ def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
     return scale, L
 
 
-def _q3_pass(x, w, wx, L, sumlx, suml2, nmax: int):
+@fused
+def _q3_start(x, nmax):
+    """The start of make_q3_quants, position by position (x: (n, m)): the
+    all-zero groups, the levels of the grid through the largest |x| (n, m)
+    and their sums.  Zero groups get iscale 0 (their output is zeroed anyway)."""
+    xs = x.unbind(0)
+    amax = mx = torch.zeros_like(xs[0])
+    for xj in xs:
+        ax = xj.abs()
+        bigger = ax > amax
+        amax = torch.where(bigger, ax, amax)
+        mx = torch.where(bigger, xj, mx)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = torch.where(zero, torch.zeros_like(mx), _div(-nmax, mx))
+    rows, sumlx, suml2 = [], None, None
+    for xj in xs:
+        # |iscale*x| <= nmax here, so plain rounding equals nearest_int
+        lj = torch.round(iscale * xj).clamp(min=-nmax).minimum(nmax - 1)
+        rows.append(lj)
+        wj = xj * xj
+        a, b = (wj * xj) * lj, (wj * lj) * lj
+        sumlx, suml2 = (a, b) if sumlx is None else (sumlx + a, suml2 + b)
+    return zero, torch.stack(rows), sumlx, suml2
+
+
+@fused
+def _q3_pass(x, L, sumlx, suml2, nmax):
     """One coordinate-descent pass of make_q3_quants over the positions of each
-    group (x, w, wx, L: (n, m)).  Returns (L, sumlx, suml2, changed)."""
+    group (x, L: (n, m)).  Returns (L, sumlx, suml2, changed)."""
     rows = []
     changed = None
-    for xi, wi, wxi, Li in zip(x.unbind(0), w.unbind(0), wx.unbind(0), L.unbind(0)):
+    for xi, Li in zip(x.unbind(0), L.unbind(0)):
+        wi = xi * xi
+        wxi = wi * xi
         slx = sumlx - wxi * Li
         sl2 = suml2 - (wi * Li) * Li
         new_l = _nearest_int(_div(xi * sl2, slx)).clamp(-nmax, nmax - 1).to(_F32)
@@ -377,25 +404,18 @@ def _q3_pass(x, w, wx, L, sumlx, suml2, nmax: int):
 
 def _make_q3_quants(x: torch.Tensor, nmax: int):
     """make_q3_quants(n, nmax, x, L, do_rmse=true).  x: (n, m)."""
-    amax, mx = _signed_absmax(x)
-    zero = amax < _GROUP_MAX_EPS
-    iscale = _div(-float(nmax), mx)
-    L = _rnd(iscale.unsqueeze(0) * x).clamp_(-nmax, nmax - 1)
-    w = x * x
-    wx = w * x
-    sums = _seqsum(torch.stack([wx * L, (w * L) * L], 1))
-    sumlx, suml2 = sums[0].clone(), sums[1].clone()
+    zero, L, sumlx, suml2 = _q3_start(x, torch.tensor(float(nmax), device=x.device))
     # Coordinate descent, up to 5 passes.  A pass that changes nothing in a
     # group leaves its state untouched, so every later pass is a no-op for it:
     # after each pass only the groups that changed are carried on (compacted).
     act = None
     for _ in range(5):
         if act is None:
-            xa, wa, wxa, La, slx_a, sl2_a = x, w, wx, L, sumlx, suml2
+            xa, La, slx_a, sl2_a = x, L, sumlx, suml2
         else:
-            xa, wa, wxa, La = x[:, act], w[:, act], wx[:, act], L[:, act]
+            xa, La = x[:, act], L[:, act]
             slx_a, sl2_a = sumlx[act], suml2[act]
-        La, slx_a, sl2_a, changed = _q3_pass(xa, wa, wxa, La, slx_a, sl2_a, nmax)
+        La, slx_a, sl2_a, changed = _q3_pass(xa, La, slx_a, sl2_a, nmax)
         if act is None:
             L, sumlx, suml2 = La, slx_a, sl2_a
             act = torch.nonzero(changed).squeeze(1)
@@ -809,12 +829,18 @@ def _enc_q3_k(x, qw, ctx):
         sc, L = _make_qx_quants(xs, 4, w)
         d, Ls = _make_qx_quants(sc.view(16, nb), 32, sw)
         s = Ls.to(torch.int32)
-    dh = _f16r(d)
-    dq = dh.unsqueeze(0) * (s - 32).to(_F32)
+    return _q3_finish(x, d, s, _unsub(L, 256, nb))
+
+
+@fused
+def _q3_finish(x, d, s, L):
+    """Q3_K after the scale search: re-quantize every value with its block's
+    fp16-rounded scale and pack.  x, L: (256, nb); d: (nb,); s: (16, nb)."""
+    nb = x.shape[1]
+    dq = _f16r(d).unsqueeze(0) * (s - 32).to(_F32)
     X = x.view(16, 16, nb)
     lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -4, 3) + 4
-    L = _unsub(L, 256, nb).view(16, 16, nb)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
     hb = (L > 3).to(torch.int32)
     low = L & 3
     hv = hb.view(8, 32, nb)
@@ -859,12 +885,20 @@ def _k45_common(x, qw, nmax, rmin, rdelta, nstep):
         dmin, Lm = _make_qp_quants(mins.view(8, nb), 63, sw)
         ls = Ls.to(torch.int32)
         lm = Lm.to(torch.int32)
+    return _k45_finish(x, d, dmin, ls, lm, _unsub(L, 256, nb), nmax)
+
+
+@fused
+def _k45_finish(x, d, dmin, ls, lm, L, nmax: int):
+    """Q4_K/Q5_K after the search: re-quantize every value with its block's
+    fp16-rounded scale and min.  x, L: (256, nb); d, dmin: (nb,); ls, lm:
+    (8, nb) 6-bit codes.  Returns (the 16 header bytes, L int32 (256, nb))."""
+    nb = x.shape[1]
     dq = _f16r(d).unsqueeze(0) * ls.to(_F32)
     dm = _f16r(dmin).unsqueeze(0) * lm.to(_F32)
     X = x.view(8, 32, nb)
     lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, nmax)
-    L = _unsub(L, 256, nb).view(8, 32, nb)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(8, 32, nb)).reshape(256, nb).to(torch.int32)
     head = torch.cat([_f16_bytes(d), _f16_bytes(dmin), _pack_k4_scales(ls & 0xFF, lm & 0xFF)])
     return head, L
 
@@ -895,7 +929,15 @@ def _enc_q6_k(x, qw, ctx):
     nb = x.shape[1]
     xs = _sub(x, 16)
     sc, L = _make_qx_quants(xs, 32, None if qw is None else _sub(qw, 16))
-    scales = sc.view(16, nb)
+    return _q6_finish(x, sc.view(16, nb), _unsub(L, 256, nb))
+
+
+@fused
+def _q6_finish(x, scales, L):
+    """Q6_K after the per-16 search: quantize the block scales to int8 with the
+    largest one at -128, re-quantize every value with its fp16-rounded scale and
+    pack.  x, L: (256, nb); scales: (16, nb)."""
+    nb = x.shape[1]
     amax, max_scale = _signed_absmax(scales)
     zero = amax < _GROUP_MAX_EPS
     iscale = _div(-128.0, max_scale)
@@ -904,8 +946,7 @@ def _enc_q6_k(x, qw, ctx):
     dq = _f16r(d).unsqueeze(0) * s.to(_F32)
     X = x.view(16, 16, nb)
     lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -32, 31) + 32
-    L = _unsub(L, 256, nb).view(16, 16, nb)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
     v = L.view(2, 4, 32, nb)
     ql = torch.cat([(v[:, 0] & 0xF) | ((v[:, 2] & 0xF) << 4),
                     (v[:, 1] & 0xF) | ((v[:, 3] & 0xF) << 4)], 1).reshape(128, nb)

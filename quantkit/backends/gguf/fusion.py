@@ -16,7 +16,8 @@ function is used only after it reproduced the eager function bit for bit on a
 probe input in this process; otherwise (no C++ compiler, an unsupported Python,
 a different result) the eager function runs.  QUANTKIT_COMPILE=0 always runs
 eagerly, =1 compiles from the first call, and the default compiles once a
-process has done enough work for the compile to pay (see _AUTO_ELEMENTS).  CUDA runs eagerly: its kernels are already fused enough, and
+process has spent long enough in these functions for a compile to pay (see
+_AUTO_EAGER_SECONDS).  CUDA runs eagerly: its kernels are already fused enough, and
 Triton's float division is not guaranteed to be correctly rounded.
 
 Compiling takes ~25 s per step function on 2 cores the first time on a
@@ -27,6 +28,7 @@ build, not the tracing).
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Callable
 
@@ -35,11 +37,13 @@ import torch
 __all__ = ["fused", "compile_mode"]
 
 
-# Compiling costs seconds (about 6 s per step function with a warm on-disk
-# cache, ~25 s cold), so by default a step runs eagerly until this process has
-# pushed this many elements through it (about 4 s of eager work on 2 cores):
-# small conversions never pay for a compile, large ones switch early.
-_AUTO_ELEMENTS = 700_000_000
+# Compiling costs seconds (1-2 s per function with a warm on-disk cache plus
+# ~1.5 s once per process; ~10-25 s per function the first time on a machine),
+# so by default the fused functions run eagerly until the process has spent
+# this long in them: small conversions never pay for a compile, large ones
+# switch early.  (Which path runs changes the speed, never the bytes.)
+_AUTO_EAGER_SECONDS = 2.0
+_eager_seconds = 0.0
 
 
 def compile_mode() -> str:
@@ -60,8 +64,10 @@ _PROBE_COLUMNS = 16384 + 13
 
 # One step is a few hundred point-wise nodes; Inductor's default cap on a
 # fused kernel (64 nodes) would cut it into loops that store and reload
-# intermediate rows.
-_INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16}
+# intermediate rows.  Without emulate_precision_casts Inductor drops the
+# float32 -> float16 -> float32 round trips that ggml's fp16 scales need
+# (the probe caught that).
+_INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16, "emulate_precision_casts": True}
 
 
 class _Fused:
@@ -74,7 +80,6 @@ class _Fused:
         self.fn = fn
         self.compiled: Callable | None = None
         self.verdict: dict = {}         # specialization -> compiled ok?
-        self.eager_elements = 0
 
     def _key(self, args) -> tuple:
         return tuple(tuple(a.shape[:-1]) + (a.dtype,) if isinstance(a, torch.Tensor) else ("v", a) for a in args)
@@ -101,9 +106,12 @@ class _Fused:
         mode = compile_mode()
         if mode == "never":
             return self.fn(*args)
-        if mode == "auto" and self.eager_elements < _AUTO_ELEMENTS:
-            self.eager_elements += args[0].numel()
-            return self.fn(*args)
+        global _eager_seconds
+        if mode == "auto" and _eager_seconds < _AUTO_EAGER_SECONDS:
+            t0 = time.perf_counter()
+            out = self.fn(*args)
+            _eager_seconds += time.perf_counter() - t0
+            return out
         # views would make dynamo guard on their base tensors (and recompile
         # for every new base): hand over plain tensors
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
