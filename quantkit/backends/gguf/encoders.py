@@ -789,14 +789,20 @@ def _enc_q2_k(x, qw, ctx):
         d, Ls = _make_qp_quants(sc.view(16, nb), 15, sw)
         dmin, Lm = _make_qp_quants(mins.view(16, nb), 15, sw)
         sbyte = _u8(Ls.to(torch.int32) | (Lm.to(torch.int32) << 4))
-    dh = _f16r(d)
-    mh = _f16r(dmin)
-    dq = dh.unsqueeze(0) * (sbyte & 0xF).to(_F32)          # (16, nb)
-    dm = mh.unsqueeze(0) * (sbyte >> 4).to(_F32)
+    return _q2_finish(x, d, dmin, sbyte, _unsub(L, 256, nb))
+
+
+@fused
+def _q2_finish(x, d, dmin, sbyte, L):
+    """Q2_K after the search: re-quantize every value with its block's
+    fp16-rounded scale and min, and pack.  x, L: (256, nb); d, dmin: (nb,);
+    sbyte: (16, nb) scale | min << 4."""
+    nb = x.shape[1]
+    dq = _f16r(d).unsqueeze(0) * (sbyte & 0xF).to(_F32)          # (16, nb)
+    dm = _f16r(dmin).unsqueeze(0) * (sbyte >> 4).to(_F32)
     X = x.view(16, 16, nb)
     lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, 3)
-    L = _unsub(L, 256, nb).view(16, 16, nb)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L).reshape(256, nb).to(torch.int32)
+    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
     return torch.cat([sbyte, _pack_2bit(L), _f16_bytes(d), _f16_bytes(dmin)])
 
 
