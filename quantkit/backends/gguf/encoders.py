@@ -1087,8 +1087,10 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
         return bits.contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 2)
 
     enc, work, row_sigma = _ENCODERS[qtype]
-    xf = x.detach().to(_F32).contiguous()
-    dev = xf.device
+    # converted to float32 chunk by chunk: a whole-tensor copy would double
+    # the peak memory on the largest tensor (the output matrix)
+    xs = x.detach().contiguous()
+    dev = xs.device
     qw_rows = None
     sigma_row = None
     if imatrix is not None and qtype not in _IMATRIX_IGNORED:
@@ -1099,20 +1101,20 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
         if row_sigma:
             # sum_x2 over the whole row, sequential, then / n_per_row
             acc = torch.zeros(rows, dtype=_F32, device=dev)
-            xt = xf.t()
+            xt = xs.to(_F32).t()
             for j in range(n):
                 acc.add_(xt[j] * xt[j])
             sigma_row = _div(acc, float(n))
 
     nbr = n // bs
     nblocks = rows * nbr
-    blocks = xf.view(nblocks, bs)
+    blocks = xs.view(nblocks, bs)
     qwb_all = qw_rows.view(nbr, bs) if qw_rows is not None else None
     out = torch.empty((nblocks, ts), dtype=torch.uint8, device=dev)
     step = max(1, _chunk_elems(dev) // (bs * work))
     for s in range(0, nblocks, step):
         e = min(nblocks, s + step)
-        xb = blocks[s:e].t().contiguous()
+        xb = blocks[s:e].to(_F32).t().contiguous()
         qwb = None
         ctx = {}
         if qwb_all is not None:

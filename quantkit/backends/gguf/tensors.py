@@ -81,10 +81,14 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_source(model: Checkpoint, t: GGUFTensor) -> torch.Tensor:
-    """The float32 values that go into GGUF tensor `t` (permuted, generated where needed)."""
+    """The values that go into GGUF tensor `t` (permuted, generated where needed),
+    in the checkpoint's own dtype: the encoders widen them to float32 chunk by
+    chunk, so the largest tensor is never held twice, once at double width."""
     if t.source is None:  # rope_freqs: factor by which llama3 scaling divides each frequency
         return (rope_base_inv_freq(model.config) / rope_inv_freq(model.config)).float()
-    w = model.tensor(t.source).float()
+    w = model.tensor(t.source)
+    if not w.is_floating_point():
+        w = w.float()
     if t.permute_heads:
         w = permute_qk(w, t.permute_heads)
     return w
