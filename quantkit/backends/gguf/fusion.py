@@ -12,17 +12,17 @@ The fused step is the same torch code as the eager one, and it keeps
 llama.cpp's bytes because Inductor compiles C++ without FMA contraction and
 without unsafe-math reassociation (torch._inductor.config.cpp defaults), and
 every sum is written as explicit left-to-right additions.  Still, a compiled
-function is used only after it reproduced the eager function bit for bit on a
-probe input in this process; otherwise (no C++ compiler, an unsupported Python,
+kernel is used only after it reproduced the eager function bit for bit on its
+first real input in this process; otherwise (no C++ compiler, an unsupported Python,
 a different result) the eager function runs.  QUANTKIT_COMPILE=0 always runs
 eagerly, =1 compiles from the first call, and the default compiles once a
 process has spent long enough in these functions for a compile to pay (see
 _AUTO_EAGER_SECONDS).  CUDA runs eagerly: its kernels are already fused enough, and
 Triton's float division is not guaranteed to be correctly rounded.
 
-Compiling takes ~25 s per step function on 2 cores the first time on a
-machine and ~6 s in later processes (Inductor's on-disk cache skips the C++
-build, not the tracing).
+Compiling takes 10-25 s per function on 2 cores the first time on a machine;
+later processes find the C++ in Inductor's on-disk cache and pay about 0.5 s
+per function for tracing, plus ~1.5 s once for Inductor's start-up.
 """
 
 from __future__ import annotations
@@ -59,46 +59,57 @@ def compile_mode() -> str:
 # The probe is also the example Inductor sizes its loops by: a small one
 # compiles a single-threaded kernel.  Columns are the call's own, repeated as
 # needed; the odd count exercises the vector loop's tail.
-_PROBE_COLUMNS = 16384 + 13
-
+# Kernels are compiled for static shapes (tracing with symbolic shapes costs
+# 2-3x more per process).  A chunk of a tensor always has the same shape, so
+# per specialization a few shapes are compiled: the first with at least this
+# many blocks, then only larger ones (the steady-state chunk is the largest);
+# other shapes (a tensor's last, smaller chunk) run eagerly.
+_MIN_COLUMNS = 512
+_MAX_SHAPES = 3
 
 # One step is a few hundred point-wise nodes; Inductor's default cap on a
 # fused kernel (64 nodes) would cut it into loops that store and reload
 # intermediate rows.  Without emulate_precision_casts Inductor drops the
 # float32 -> float16 -> float32 round trips that ggml's fp16 scales need
-# (the probe caught that).
+# (the bit check caught that).
 _INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16, "emulate_precision_casts": True}
 
 
 class _Fused:
-    """Callable that runs `fn` compiled on CPU tensors, per specialization
-    (leading dimensions and non-tensor arguments), once the compiled function
-    reproduced the eager one bit for bit on columns of that first call's own
-    data; eagerly otherwise.  Tensors' last dimension is the blocks."""
+    """Callable that runs `fn` compiled on CPU tensors.  The first call of each
+    compiled shape runs both the eager and the compiled function and keeps the
+    compiled one only if the two agree bit for bit; anything else (no C++
+    compiler, an unsupported Python, a different result, an odd shape) runs
+    eagerly.  The tensors' last dimension is the blocks."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
-        self.compiled: Callable | None = None
-        self.verdict: dict = {}         # specialization -> compiled ok?
+        self.cfn: Callable | None = None
+        self.verdict: dict = {}         # full shape key -> compiled ok?
+        self.shapes: dict = {}          # specialization -> largest block count compiled
 
-    def _key(self, args) -> tuple:
-        return tuple(tuple(a.shape[:-1]) + (a.dtype,) if isinstance(a, torch.Tensor) else ("v", a) for a in args)
+    @staticmethod
+    def _key(args, full: bool) -> tuple:
+        return tuple((tuple(a.shape) if full else tuple(a.shape[:-1])) + (a.dtype,)
+                     if isinstance(a, torch.Tensor) else ("v", a) for a in args)
 
-    def _verify(self, args) -> bool:
+    def _compile_and_check(self, args):
+        want = self.fn(*args)
         try:
-            if self.compiled is None:
-                self.compiled = torch.compile(self.fn, dynamic=True, options=_INDUCTOR_OPTIONS)
-            m = max((a.shape[-1] for a in args if isinstance(a, torch.Tensor) and a.dim()), default=0)
-            cols = torch.arange(_PROBE_COLUMNS, device=args[0].device) % m
-            probe = [a[..., cols] if isinstance(a, torch.Tensor) and a.dim() and a.shape[-1] == m else a
-                     for a in args]
-            want = self.fn(*probe)
+            if self.cfn is None:
+                import torch._dynamo
+                # a few shapes x specializations per function, all wanted
+                cfg = torch._dynamo.config
+                for name in ("recompile_limit", "cache_size_limit"):
+                    if hasattr(cfg, name):
+                        setattr(cfg, name, max(getattr(cfg, name), 64))
+                self.cfn = torch.compile(self.fn, dynamic=False, options=_INDUCTOR_OPTIONS)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got = self.compiled(*probe)
+                got = self.cfn(*args)
         except Exception:               # no C++ compiler, unsupported Python, ...: stay eager
-            return False
-        return _bits_equal(want, got)
+            return False, want
+        return _bits_equal(want, got), want
 
     def __call__(self, *args):
         if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
@@ -112,14 +123,21 @@ class _Fused:
             out = self.fn(*args)
             _eager_seconds += time.perf_counter() - t0
             return out
-        # views would make dynamo guard on their base tensors (and recompile
-        # for every new base): hand over plain tensors
+        # views would make dynamo guard on their base tensors: hand over plain tensors
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
-        key = self._key(args)
-        ok = self.verdict.get(key)
+        full = self._key(args, True)
+        ok = self.verdict.get(full)
         if ok is None:
-            ok = self.verdict[key] = self._verify(args)
-        return self.compiled(*args) if ok else self.fn(*args)
+            spec = self._key(args, False)
+            m = args[0].shape[-1]
+            done = self.shapes.get(spec, [])
+            if m < _MIN_COLUMNS or len(done) >= _MAX_SHAPES or (done and m <= max(done)):
+                return self.fn(*args)
+            self.shapes[spec] = done + [m]
+            ok, out = self._compile_and_check(args)
+            self.verdict[full] = ok
+            return out
+        return self.cfn(*args) if ok else self.fn(*args)
 
 
 def _bits_equal(a, b) -> bool:

@@ -1,0 +1,87 @@
+"""The fused (torch.compile) CPU path of the GGUF encoders against llama.cpp.
+
+Large conversions run the K-quant searches as compiled kernels (see
+quantkit/backends/gguf/fusion.py).  Here compilation is forced and the input
+is large enough for whole chunks, so the compiled kernels really run: their
+bytes must equal llama.cpp's, and each fused function must have been compiled
+and accepted by its bit-for-bit check against the eager function.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(_HERE), _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from quantkit.backends.gguf import encoders  # noqa: E402
+
+try:
+    from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
+    from tests.test_gguf_encoders import _special_rows  # type: ignore  # noqa: E402
+except ImportError:  # pragma: no cover
+    import _ggml_ref as ref  # type: ignore  # noqa: E402
+    from test_gguf_encoders import _special_rows  # type: ignore  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not ref.available(), reason=ref.unavailable_reason()),
+    pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None,
+                       reason="no C++ compiler: torch.compile cannot build CPU kernels here"),
+]
+
+# which fused functions each type goes through (without an importance matrix)
+_FUSED = {
+    QT.Q2_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_q2_finish"),
+    QT.Q3_K: ("_q3_start", "_q3_pass", "_q3_finish"),
+    QT.Q4_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_k45_finish"),
+    QT.Q6_K: ("_qx_candidate", "_q6_finish"),
+}
+
+
+def _data() -> np.ndarray:
+    """384 rows of 2304: normal weights with outliers, plus llama.cpp's edge cases
+    (zeros, ties, subnormal ranges, signed zeros ...) tiled in (~1.5 chunks)."""
+    g = np.random.default_rng(11)
+    x = g.standard_normal((384, 2304)) * 0.02
+    x[g.random(x.shape) < 0.01] *= 40.0
+    x[::24] = np.tile(_special_rows(2304, 3), (2, 1))[:16]
+    return x.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def forced_compile():
+    old = os.environ.get("QUANTKIT_COMPILE")
+    os.environ["QUANTKIT_COMPILE"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("QUANTKIT_COMPILE")
+    else:
+        os.environ["QUANTKIT_COMPILE"] = old
+
+
+@pytest.mark.parametrize("qtype", sorted(_FUSED, key=int), ids=lambda t: t.name)
+def test_fused_kernels_match_llama_cpp(forced_compile, qtype):
+    x = _data()
+    got = encoders.quantize(torch.from_numpy(x), qtype)
+    want = ref.quantize_ref(x, int(qtype))
+    assert np.array_equal(got.reshape(want.shape), want), f"{qtype.name}: fused bytes differ from llama.cpp"
+    for name in _FUSED[qtype]:
+        f = getattr(encoders, name)
+        assert any(f.verdict.values()), f"{name}: no compiled kernel was used (verdicts {f.verdict})"
+
+
+def test_fused_kernels_match_llama_cpp_with_imatrix(forced_compile):
+    x = _data()
+    imatrix = np.random.default_rng(5).random(x.shape[1]).astype(np.float32) + 0.1
+    got = encoders.quantize(torch.from_numpy(x), QT.Q4_K, imatrix=torch.from_numpy(imatrix))
+    want = ref.quantize_ref(x, int(QT.Q4_K), imatrix)
+    assert np.array_equal(got.reshape(want.shape), want)
