@@ -49,7 +49,7 @@ from gguf import quants as _gguf_quants
 
 from .fusion import fused
 
-__all__ = ["quantize", "dequantize", "SUPPORTED"]
+__all__ = ["quantize", "dequantize", "SUPPORTED", "FUSED_TYPES"]
 
 QT = GGMLQuantizationType
 
@@ -57,6 +57,9 @@ SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
 })
+
+# types whose encoders run fused kernels on the CPU (see fusion.py)
+FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
 
 _F32 = torch.float32
 _GROUP_MAX_EPS = float(np.float32(1e-15))

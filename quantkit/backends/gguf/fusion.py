@@ -15,9 +15,8 @@ every sum is written as explicit left-to-right additions.  Still, a compiled
 kernel is used only after it reproduced the eager function bit for bit on its
 first real input in this process; otherwise (no C++ compiler, an unsupported Python,
 a different result) the eager function runs.  QUANTKIT_COMPILE=0 always runs
-eagerly, =1 compiles from the first call, and the default compiles once a
-process has spent long enough in these functions for a compile to pay (see
-_AUTO_EAGER_SECONDS).  CUDA runs eagerly: its kernels are already fused enough, and
+eagerly, =1 compiles from the first call, and the default compiles when the
+planned conversion is large enough for the compile to pay (see plan_work).  CUDA runs eagerly: its kernels are already fused enough, and
 Triton's float division is not guaranteed to be correctly rounded.
 
 Compiling takes 10-25 s per function on 2 cores the first time on a machine;
@@ -28,22 +27,35 @@ per function for tracing, plus ~1.5 s once for Inductor's start-up.
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from typing import Callable
 
 import torch
 
-__all__ = ["fused", "compile_mode"]
+__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "AUTO_MIN_ELEMENTS"]
 
 
 # Compiling costs seconds (1-2 s per function with a warm on-disk cache plus
-# ~1.5 s once per process; ~10-25 s per function the first time on a machine),
-# so by default the fused functions run eagerly until the process has spent
-# this long in them: small conversions never pay for a compile, large ones
-# switch early.  (Which path runs changes the speed, never the bytes.)
-_AUTO_EAGER_SECONDS = 2.0
-_eager_seconds = 0.0
+# ~1.5 s once per process; 10-25 s per function the first time on a machine),
+# so by default (QUANTKIT_COMPILE=auto) the kernels are compiled only when the
+# planned run encodes at least this many elements in fused types: about 10 s
+# of eager work.  Small conversions (the demo, tests) run eagerly.  Which path
+# runs changes the speed, never the bytes.
+AUTO_MIN_ELEMENTS = 100_000_000
+_planned_elements = 0
+
+
+def plan_work(elements: int) -> bool:
+    """Tell the auto mode how many elements the run will encode in FUSED_TYPES;
+    returns whether the fused kernels will be compiled."""
+    global _planned_elements
+    _planned_elements = int(elements)
+    return will_compile()
+
+
+def will_compile() -> bool:
+    mode = compile_mode()
+    return mode == "always" or (mode == "auto" and _planned_elements >= AUTO_MIN_ELEMENTS)
 
 
 def compile_mode() -> str:
@@ -114,15 +126,8 @@ class _Fused:
     def __call__(self, *args):
         if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
             return self.fn(*args)
-        mode = compile_mode()
-        if mode == "never":
+        if not will_compile():
             return self.fn(*args)
-        global _eager_seconds
-        if mode == "auto" and _eager_seconds < _AUTO_EAGER_SECONDS:
-            t0 = time.perf_counter()
-            out = self.fn(*args)
-            _eager_seconds += time.perf_counter() - t0
-            return out
         # views would make dynamo guard on their base tensors: hand over plain tensors
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
         full = self._key(args, True)

@@ -7,6 +7,7 @@ every type the files ask for (once per distinct type) and appended to each file.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from ...artifact import atomic_file
 from ...errors import QuantizationError
 from ...model.checkpoint import Checkpoint
 from ...progress import Progress
-from . import encoders
+from . import encoders, fusion
 from .metadata import add_hparams, add_tokenizer
 from .tensors import GGUFTensor, load_source
 
@@ -70,6 +71,9 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             writers.append(w)
+        # each (tensor, type) is encoded once however many files want it
+        fusion.plan_work(sum(math.prod(t.shape) for t in tensors
+                             for q in {job.types[t.name] for job in jobs} if q in encoders.FUSED_TYPES))
         tasks = [progress.task(job.path.name, total=len(tensors)) for job in jobs]
         for t in tensors:
             src = load_source(model, t)
