@@ -93,7 +93,8 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
 
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
     model = open_model(spec)
-    return [b.plan(model, v, Path(out), options or {}) for b, _, v in _parse_formats(formats)]
+    options = {**(options or {}), "estimate_time": True}
+    return [b.plan(model, v, Path(out), options) for b, _, v in _parse_formats(formats)]
 
 
 def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | None = None,

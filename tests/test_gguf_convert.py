@@ -138,7 +138,8 @@ def test_dry_run_writes_nothing_and_reports_bpw(tiny_gguf_source, tmp_path):
     assert not out.exists()
     weights = sum(math.prod(t["shape"]) for t in plan["tensors"])
     assert plan["bits_per_weight"] == pytest.approx(8 * plan["bytes"] / weights)
-    assert {"peak memory (estimate)", "time (estimate)"} <= set(plan["extra"])
+    assert {"peak memory (estimate)", "time (estimate)", "fused CPU kernels"} <= set(plan["extra"])
+    assert plan["extra"]["fused CPU kernels"].startswith("not compiled")  # a tiny model stays eager
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------

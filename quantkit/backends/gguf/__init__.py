@@ -16,7 +16,7 @@ from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...progress import Progress, null_progress
-from . import encoders, mixtures
+from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
 from .tensors import gguf_tensors
 from .writer import FileJob, tensor_nbytes, write_files
@@ -64,7 +64,16 @@ class GGUFBackend(Backend):
             samples, seqlen = calibration_size(options)
             plan.extra["importance matrix"] = f"from the calibration pass over {options.get('calib')} " \
                                               f"({samples} × {seqlen} tokens)"
-        plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}"
+        fused_n = sum(int(np.prod(r.shape)) for r in rows
+                      if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
+        compiled = device.type == "cpu" and fusion.would_compile(fused_n)
+        if options.get("estimate_time"):      # a dry run: timing the encoders costs a second or two
+            plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}" + (
+                " at eager speed; the compiled kernels run the K-quants 2-4x faster" if compiled else "")
+        if device.type == "cpu":
+            plan.extra["fused CPU kernels"] = (
+                f"{'compiled' if compiled else 'not compiled'} ({fused_n / 1e6:.0f} M weights in K-quant types; "
+                f"compiled from {fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, QUANTKIT_COMPILE overrides)")
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,
@@ -121,7 +130,8 @@ def _estimate_seconds(rows, device: torch.device) -> float:
     for kind, n in by_type.items():
         qtype = gguf.GGMLQuantizationType[kind]
         width = 256 if gguf.GGML_QUANT_SIZES[qtype][0] <= 256 else gguf.GGML_QUANT_SIZES[qtype][0]
-        x = torch.randn(64, width * 16, device=device)
+        x = torch.randn(256, width * 16, device=device)     # about one chunk
+        encoders.quantize(x[:8], qtype)                      # first-call set-up is not per weight
         t0 = time.perf_counter()
         encoders.quantize(x, qtype)
         total += (time.perf_counter() - t0) * n / x.numel()

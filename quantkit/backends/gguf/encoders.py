@@ -308,7 +308,27 @@ def _bits32(hb: torch.Tensor) -> torch.Tensor:
 # search helpers (vectorized over columns = blocks)
 # ----------------------------------------------------------------------------
 
-@fused
+def _qx_pick(sumlx, suml2, iscale, scale, best, isc_sel, first):
+    """make_qx_quants' choice: the first candidate, then a later one only when
+    strictly better (sumlx^2/suml2 larger).  `first` is a 0-dim bool tensor."""
+    q = _div(sumlx, suml2)
+    scale0 = torch.where(suml2 != 0, q, torch.zeros_like(q))
+    upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+    scale1 = torch.where(upd, q, scale)
+    return (torch.where(first, scale0, scale1),
+            torch.where(first, scale0 * sumlx, torch.where(upd, scale1 * sumlx, best)),
+            torch.where(first, iscale, torch.where(upd, iscale, isc_sel)))
+
+
+def _qx_candidate_vec(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
+    """_qx_candidate over all positions at once (the eager formulation)."""
+    iscale = _div(num, mx)
+    l = torch.round(x * iscale).clamp(min=-nmax).minimum(nmax - 1)
+    sums = _seqsum(torch.stack([wx * l, (w * l) * l], 1), from_zero=False)
+    return _qx_pick(sums[0], sums[1], iscale, scale, best, isc_sel, first)
+
+
+@fused(eager=_qx_candidate_vec)
 def _qx_candidate(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
     """One candidate scale of make_qx_quants, position by position (x, w, wx:
     (n, m); the rest (m,) or 0-dim).  Returns the updated (scale, best, isc_sel):
@@ -321,14 +341,7 @@ def _qx_candidate(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
         lj = torch.round(xj * iscale).clamp(min=-nmax).minimum(nmax - 1)
         a, b = wxj * lj, (wj * lj) * lj
         sumlx, suml2 = (a, b) if sumlx is None else (sumlx + a, suml2 + b)
-    q = _div(sumlx, suml2)
-    # `first` is a 0-dim bool tensor (one compiled graph for both cases)
-    scale0 = torch.where(suml2 != 0, q, torch.zeros_like(q))
-    upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-    scale1 = torch.where(upd, q, scale)
-    return (torch.where(first, scale0, scale1),
-            torch.where(first, scale0 * sumlx, torch.where(upd, scale1 * sumlx, best)),
-            torch.where(first, iscale, torch.where(upd, iscale, isc_sel)))
+    return _qx_pick(sumlx, suml2, iscale, scale, best, isc_sel, first)
 
 
 def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
@@ -357,7 +370,18 @@ def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
     return scale, L
 
 
-@fused
+def _q3_start_vec(x, nmax):
+    """_q3_start over all positions at once (the eager formulation)."""
+    amax, mx = _signed_absmax(x)
+    zero = amax < _GROUP_MAX_EPS
+    iscale = torch.where(zero, torch.zeros_like(mx), _div(-nmax, mx))
+    L = torch.round(iscale * x).clamp(min=-nmax).minimum(nmax - 1)
+    w = x * x
+    sums = _seqsum(torch.stack([(w * x) * L, (w * L) * L], 1), from_zero=False)
+    return zero, L, sums[0], sums[1]
+
+
+@fused(eager=_q3_start_vec)
 def _q3_start(x, nmax):
     """The start of make_q3_quants, position by position (x: (n, m)): the
     all-zero groups, the levels of the grid through the largest |x| (n, m)
@@ -436,18 +460,54 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     return scale, L
 
 
-@fused
+def _qkx_scale_min(sum_w, sum_x, sum_l, sum_l2, sum_xl):
+    """make_qkx's weighted least-squares scale and min for given levels (min <= 0)."""
+    D = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
+    this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
+    pos = this_min > 0
+    this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
+    this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
+    return D, this_scale, this_min
+
+
+def _qkx_take(D, err, this_scale, this_min, isc, best, scale, isc_w, cur_w, won, cur, big):
+    upd = (D > 0) & (err < best)
+    return (torch.where(upd, err, best), torch.where(upd, this_scale, scale),
+            torch.where(upd, isc, isc_w), torch.where(upd, cur, cur_w), won | upd,
+            torch.where(upd, this_min, cur), big)
+
+
+def _qkx_isc_big(num, mx, cur, xmin, degenerate):
+    isc = _div(num, mx - cur)
+    # cur (a least-squares min) can lie above the smallest x when weights
+    # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
+    bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
+    return isc, (~(bound < _SAFE_ROUND)) & ~degenerate    # per lane: reducing would split the kernel
+
+
+def _qkx_candidate_vec(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
+                       best, scale, isc_w, cur_w, won, cur, use_mad: bool, exact: bool):
+    """_qkx_candidate over all positions at once (the eager formulation)."""
+    isc, big = _qkx_isc_big(num, mx, cur, xmin, degenerate)
+    f = (x - cur) * isc
+    la = _levels(_ni(f) if exact else torch.round(f), nmax)
+    wl = w * la
+    D, this_scale, this_min = _qkx_scale_min(sum_w, sum_x, _seqsum(wl, from_zero=False),
+                                             _seqsum(wl * la, from_zero=False), _seqsum(wl * x, from_zero=False))
+    diff = la * this_scale + this_min - x
+    err = _seqsum((diff.abs() if use_mad else diff * diff) * w, from_zero=False)
+    return _qkx_take(D, err, this_scale, this_min, isc, best, scale, isc_w, cur_w, won, cur, big)
+
+
+@fused(eager=_qkx_candidate_vec)
 def _qkx_candidate(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
                    best, scale, isc_w, cur_w, won, cur, use_mad: bool, exact: bool):
     """One candidate of make_qkx2/3_quants' search, position by position
     (x, w: (n, m); everything else (m,) or 0-dim).  Returns the updated
     (best, scale, isc_w, cur_w, won, cur) and which lanes needed the exact
     nearest_int (if any did, the caller re-runs the step with exact=True)."""
-    isc = _div(num, mx - cur)
-    # cur (a least-squares min) can lie above the smallest x when weights
-    # vanish, making isc*(x-cur) huge: then emulate nearest_int exactly.
-    bound = isc.abs() * torch.maximum((xmin - cur).abs(), (mx - cur).abs())
-    big = (~(bound < _SAFE_ROUND)) & ~degenerate    # per lane: reducing here would split the kernel
+    isc, big = _qkx_isc_big(num, mx, cur, xmin, degenerate)
     ls = []
     sum_l = sum_l2 = sum_xl = None
     for xj, wj in zip(x.unbind(0), w.unbind(0)):
@@ -459,21 +519,13 @@ def _qkx_candidate(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
             sum_l, sum_l2, sum_xl = wl, wl * lj, wl * xj
         else:
             sum_l, sum_l2, sum_xl = sum_l + wl, sum_l2 + wl * lj, sum_xl + wl * xj
-    D = sum_w * sum_l2 - sum_l * sum_l
-    this_scale = _div(sum_w * sum_xl - sum_x * sum_l, D)
-    this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, D)
-    pos = this_min > 0
-    this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
-    this_scale = torch.where(pos, _div(sum_xl, sum_l2), this_scale)
+    D, this_scale, this_min = _qkx_scale_min(sum_w, sum_x, sum_l, sum_l2, sum_xl)
     err = None
     for xj, wj, lj in zip(x.unbind(0), w.unbind(0), ls):
         diff = lj * this_scale + this_min - xj
         e = (diff.abs() if use_mad else diff * diff) * wj
         err = e if err is None else err + e
-    upd = (D > 0) & (err < best)
-    return (torch.where(upd, err, best), torch.where(upd, this_scale, scale),
-            torch.where(upd, isc, isc_w), torch.where(upd, cur, cur_w), won | upd,
-            torch.where(upd, this_min, cur), big)
+    return _qkx_take(D, err, this_scale, this_min, isc, best, scale, isc_w, cur_w, won, cur, big)
 
 
 def _levels(r: torch.Tensor, nmax: torch.Tensor) -> torch.Tensor:
@@ -484,7 +536,25 @@ def _levels(r: torch.Tensor, nmax: torch.Tensor) -> torch.Tensor:
     return torch.where(r > 0, r, torch.zeros_like(r)).minimum(nmax)
 
 
-@fused
+def _qkx_init_vec(x, w, nmax, use_mad: bool, exact: bool = False):
+    """_qkx_init over all positions at once (the eager formulation); exact=True
+    emulates nearest_int exactly (for the rare lanes _qkx_init flags)."""
+    xmin, mx = _first_min(x), _first_max(x)
+    sum_w = _seqsum(w, from_zero=False)
+    sum_x = _seqsum(w * x, from_zero=False)
+    mn = torch.where(xmin > 0, torch.zeros_like(xmin), xmin)
+    degenerate = mx <= mn
+    iscale = _div(nmax, mx - mn)
+    scale = _recip(iscale)
+    big = ~(iscale.abs() * (mx - mn) < _SAFE_ROUND) & ~degenerate
+    f = iscale * (x - mn)
+    L = _levels(_ni(f) if exact else torch.round(f), nmax)
+    diff = scale * L + mn - x
+    best = _seqsum(w * (diff.abs() if use_mad else diff * diff), from_zero=False)
+    return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, L, big
+
+
+@fused(eager=_qkx_init_vec)
 def _qkx_init(x, w, nmax, use_mad: bool):
     """The start of make_qkx2/3_quants, position by position (x, w: (n, m)):
     min (the first smallest x), max, sum_w, sum_x, the min clamped to <= 0,
@@ -514,17 +584,13 @@ def _qkx_init(x, w, nmax, use_mad: bool):
     return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, torch.stack(rows), big
 
 
-def _qkx_init_exact(x, w, nmax, use_mad: bool):
-    """_qkx_init with nearest_int emulated exactly (rare: see _qkx_init)."""
-    xmin, mx, sum_w, sum_x, mn, degenerate, scale, _, _, _ = _qkx_init.fn(x, w, nmax, use_mad)
-    iscale = _div(nmax, mx - mn)
-    L = _levels(_ni(iscale * (x - mn)), nmax)
-    diff = scale * L + mn - x
-    best = _seqsum(w * (diff.abs() if use_mad else diff * diff))
-    return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, L
+def _qkx_levels_vec(x, isc, cur, nmax):
+    """_qkx_levels over all positions at once (the eager formulation)."""
+    bound = isc.abs() * torch.maximum((x - cur).abs().amax(0), torch.zeros_like(cur))
+    return _levels(torch.round((x - cur) * isc), nmax), ~(bound < _SAFE_ROUND)
 
 
-@fused
+@fused(eager=_qkx_levels_vec)
 def _qkx_levels(x, isc, cur, nmax):
     """Levels clamp(nearest_int(isc * (x - cur)), 0, nmax) (x: (n, m)), and
     the lanes where rounding must be emulated exactly (|argument| may reach 2**21)."""
@@ -540,7 +606,7 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     nmax_t = torch.tensor(float(nmax), device=x.device)
     init = _qkx_init(x, w, nmax_t, use_mad)
     if bool(init[-1].any()):
-        init = _qkx_init_exact(x, w, nmax_t, use_mad)
+        init = _qkx_init_vec(x, w, nmax_t, use_mad, exact=True)
     xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, L = init[:9]
 
     # The reference overwrites `min` whenever a candidate wins, and later
@@ -555,7 +621,7 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         num = nums[c]
         new = _qkx_candidate(*fixed, num, *state, use_mad, False)
         if bool(new[-1].any()):
-            new = _qkx_candidate.fn(*fixed, num, *state, use_mad, True)
+            new = _qkx_candidate.eager(*fixed, num, *state, use_mad, True)
         state = new[:-1]
     best, scale, isc_w, cur_w, won, cur = state
     # rebuild the winning candidate's L (same ops => same values)

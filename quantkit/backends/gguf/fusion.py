@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "AUTO_MIN_ELEMENTS"]
+__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "AUTO_MIN_ELEMENTS"]
 
 
 # Compiling costs seconds (1-2 s per function with a warm on-disk cache plus
@@ -54,8 +54,13 @@ def plan_work(elements: int) -> bool:
 
 
 def will_compile() -> bool:
+    return would_compile(_planned_elements)
+
+
+def would_compile(elements: int) -> bool:
+    """Whether a run encoding `elements` weights in FUSED_TYPES compiles the kernels."""
     mode = compile_mode()
-    return mode == "always" or (mode == "auto" and _planned_elements >= AUTO_MIN_ELEMENTS)
+    return mode == "always" or (mode == "auto" and elements >= AUTO_MIN_ELEMENTS)
 
 
 def compile_mode() -> str:
@@ -94,8 +99,11 @@ class _Fused:
     compiler, an unsupported Python, a different result, an odd shape) runs
     eagerly.  The tensors' last dimension is the blocks."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, eager: Callable | None = None):
         self.fn = fn
+        # what runs when nothing is compiled; by default fn itself, else a vectorized
+        # formulation of the same step that runs faster op by op
+        self.eager = eager or fn
         self.cfn: Callable | None = None
         self.verdict: dict = {}         # full shape key -> compiled ok?
         self.shapes: dict = {}          # specialization -> largest block count compiled
@@ -106,7 +114,7 @@ class _Fused:
                      if isinstance(a, torch.Tensor) else ("v", a) for a in args)
 
     def _compile_and_check(self, args):
-        want = self.fn(*args)
+        want = self.eager(*args)
         try:
             if self.cfn is None:
                 import torch._dynamo
@@ -124,10 +132,8 @@ class _Fused:
         return _bits_equal(want, got), want
 
     def __call__(self, *args):
-        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu":
-            return self.fn(*args)
-        if not will_compile():
-            return self.fn(*args)
+        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or not will_compile():
+            return self.eager(*args)
         # views would make dynamo guard on their base tensors: hand over plain tensors
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
         full = self._key(args, True)
@@ -137,12 +143,12 @@ class _Fused:
             m = args[0].shape[-1]
             done = self.shapes.get(spec, [])
             if m < _MIN_COLUMNS or len(done) >= _MAX_SHAPES or (done and m <= max(done)):
-                return self.fn(*args)
+                return self.eager(*args)
             self.shapes[spec] = done + [m]
             ok, out = self._compile_and_check(args)
             self.verdict[full] = ok
             return out
-        return self.cfn(*args) if ok else self.fn(*args)
+        return self.cfn(*args) if ok else self.eager(*args)
 
 
 def _bits_equal(a, b) -> bool:
@@ -158,6 +164,10 @@ def _bits_equal(a, b) -> bool:
     return a == b
 
 
-def fused(fn: Callable) -> _Fused:
-    """Decorator: compile the function for CPU tensors (see module docstring)."""
-    return _Fused(fn)
+def fused(fn: Callable | None = None, *, eager: Callable | None = None):
+    """Decorator: compile the function for CPU tensors (see module docstring).
+    `eager`: an equivalent vectorized function to run when not compiled; the
+    bit-for-bit check then also holds the two formulations to each other."""
+    if fn is None:
+        return lambda f: _Fused(f, eager)
+    return _Fused(fn, eager)
