@@ -266,8 +266,8 @@ def write_results(result: dict, name: str) -> None:
         lines.append(f"\nNote: quantkit's fused CPU kernels (torch.compile, see quantkit/backends/gguf/fusion.py) were "
                      f"built once into an empty Inductor cache before the timed runs: {result['kernel_compile_s']} s, "
                      "paid once per machine (and per torch version). Each timed quantkit run still traces its kernels "
-                     "and loads them from that cache (a few seconds, included in its time); a run spends its first "
-                     "2 s eagerly, so small conversions never compile.")
+                     "and loads them from that cache (3-4 s, included in its time); only runs that encode >= 100 M "
+                     "weights in K-quant types compile (the synthetic model), the demo runs eagerly.")
     for note in result.get("notes", []):
         lines.append(f"\nNote: {note}.")
     if result.get("quality"):
