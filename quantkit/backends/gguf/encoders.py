@@ -103,13 +103,6 @@ def _ni(f: torch.Tensor) -> torch.Tensor:
     return _nearest_int(f).to(_F32)
 
 
-def _rnd(f: torch.Tensor) -> torch.Tensor:
-    """nearest_int for arguments known to satisfy |f| < 2**22 (the range where
-    the magic-number trick is exactly round-half-to-even), or in lanes that
-    are masked out afterwards."""
-    return torch.round(f)
-
-
 _SAFE_ROUND = float(2 ** 21)
 
 
@@ -584,10 +577,12 @@ def _qkx_init(x, w, nmax, use_mad: bool):
     return xmin, mx, sum_w, sum_x, mn, degenerate, scale, best, torch.stack(rows), big
 
 
-def _qkx_levels_vec(x, isc, cur, nmax):
-    """_qkx_levels over all positions at once (the eager formulation)."""
+def _qkx_levels_vec(x, isc, cur, nmax, exact: bool = False):
+    """_qkx_levels over all positions at once (the eager formulation); exact=True
+    emulates nearest_int exactly (for the lanes _qkx_levels flags)."""
     bound = isc.abs() * torch.maximum((x - cur).abs().amax(0), torch.zeros_like(cur))
-    return _levels(torch.round((x - cur) * isc), nmax), ~(bound < _SAFE_ROUND)
+    f = (x - cur) * isc
+    return _levels(_ni(f) if exact else torch.round(f), nmax), ~(bound < _SAFE_ROUND)
 
 
 @fused(eager=_qkx_levels_vec)
@@ -627,7 +622,7 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     # rebuild the winning candidate's L (same ops => same values)
     la, big = _qkx_levels(x, isc_w, cur_w, nmax_t)
     if bool((big & won).any()):
-        la = _levels(_ni(torch.sub(x, cur_w).mul_(isc_w)), nmax_t)
+        la, _ = _qkx_levels_vec(x, isc_w, cur_w, nmax_t, exact=True)
     L = torch.where(won.unsqueeze(0), la, L)
     mn_best = cur
     L = torch.where(degenerate.unsqueeze(0), torch.zeros_like(L), L)

@@ -73,14 +73,13 @@ def compile_mode() -> str:
     return "auto"
 
 
-# The probe is also the example Inductor sizes its loops by: a small one
-# compiles a single-threaded kernel.  Columns are the call's own, repeated as
-# needed; the odd count exercises the vector loop's tail.
 # Kernels are compiled for static shapes (tracing with symbolic shapes costs
 # 2-3x more per process).  A chunk of a tensor always has the same shape, so
 # per specialization a few shapes are compiled: the first with at least this
 # many blocks, then only larger ones (the steady-state chunk is the largest);
-# other shapes (a tensor's last, smaller chunk) run eagerly.
+# other shapes (a tensor's last, smaller chunk) run eagerly.  (The first input
+# is also what Inductor sizes its loops by: a tiny one gives a single-threaded
+# kernel, hence the minimum.)
 _MIN_COLUMNS = 512
 _MAX_SHAPES = 3
 
