@@ -47,7 +47,7 @@ def make_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
 
 def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layers=2, heads=4, kv_heads=2,
                     intermediate=128, vocab=64, tie=False, dtype=torch.bfloat16, seed=0,
-                    max_shard_size=None, tokenizer=True, bpe=False, **extra) -> Path:
+                    max_shard_size=None, tokenizer=True, bpe=False, weight_std=0.3, **extra) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -58,7 +58,7 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
     with torch.no_grad():  # default init is tiny; bigger weights give a model with non-trivial outputs
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.3)
+                p.normal_(0, weight_std)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kw)
     if bpe:
