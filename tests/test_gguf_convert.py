@@ -139,7 +139,8 @@ def test_dry_run_writes_nothing_and_reports_bpw(tiny_gguf_source, tmp_path):
     weights = sum(math.prod(t["shape"]) for t in plan["tensors"])
     assert plan["bits_per_weight"] == pytest.approx(8 * plan["bytes"] / weights)
     assert {"peak memory (estimate)", "time (estimate)", "fused CPU kernels"} <= set(plan["extra"])
-    assert plan["extra"]["fused CPU kernels"].startswith("not compiled")  # a tiny model stays eager
+    # a tiny model builds no kernels
+    assert plan["extra"]["fused CPU kernels"].startswith("used where already built, else eager")
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The fused (torch.compile) CPU path of the GGUF encoders against llama.cpp.
+"""The fused (AOTInductor-built) CPU path of the GGUF encoders against llama.cpp.
 
 Large conversions run the K-quant searches as compiled kernels (see
-quantkit/backends/gguf/fusion.py).  Here compilation is forced and the input
+quantkit/backends/gguf/fusion.py).  Here building is forced and the input
 is large enough for whole chunks, so the compiled kernels really run: their
 bytes must equal llama.cpp's, and each fused function must have been compiled
 and accepted by its bit-for-bit check against the eager function.
@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
 pytestmark = [
     pytest.mark.skipif(not ref.available(), reason=ref.unavailable_reason()),
     pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None,
-                       reason="no C++ compiler: torch.compile cannot build CPU kernels here"),
+                       reason="no C++ compiler: AOTInductor cannot build CPU kernels here"),
 ]
 
 # which fused functions each type goes through (without an importance matrix)
@@ -85,3 +85,47 @@ def test_fused_kernels_match_llama_cpp_with_imatrix(forced_compile):
     got = encoders.quantize(torch.from_numpy(x), QT.Q4_K, imatrix=torch.from_numpy(imatrix))
     want = ref.quantize_ref(x, int(QT.Q4_K), imatrix)
     assert np.array_equal(got.reshape(want.shape), want)
+
+
+def test_kernel_is_built_once_loaded_later_and_refused_when_wrong(tmp_path, monkeypatch):
+    """The package cache: built on first use under QUANTKIT_COMPILE=1, loaded (not rebuilt) by a later
+    user in auto mode, and refused, with the eager result returned, when it is broken or disagrees."""
+    from quantkit.backends.gguf import fusion
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+
+    def step(x, y):  # rounding-sensitive: a division, a round, an fp16 round trip
+        return torch.round(x / y).clamp(-8, 7), (x / y).to(torch.float16).float()
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 1024, generator=g), torch.rand(1024, generator=g) + 0.5
+    want = step(x, y)
+
+    built = fusion.fused(step)
+    assert all(torch.equal(a, b) for a, b in zip(built(x, y), want))
+    assert list(built.verdict.values()) == [True]
+    packages = list(fusion.kernel_dir().glob("step-*.pt2"))
+    assert len(packages) == 1
+    stamp = packages[0].stat().st_mtime_ns
+
+    monkeypatch.setenv("QUANTKIT_COMPILE", "auto")
+    fusion.plan_work(0)                               # auto with nothing planned: load, never build
+    loaded = fusion.fused(step)
+    assert all(torch.equal(a, b) for a, b in zip(loaded(x, y), want))
+    assert list(loaded.verdict.values()) == [True] and packages[0].stat().st_mtime_ns == stamp
+
+    def other(x, y):  # what the kernel is checked against differs: the kernel must be refused
+        return torch.round(x / y).clamp(-8, 7), (x / y)
+    disagreeing = fusion.fused(step, eager=other)
+    assert all(torch.equal(a, b) for a, b in zip(disagreeing(x, y), other(x, y)))
+    assert list(disagreeing.verdict.values()) == [False]
+
+    packages[0].write_bytes(b"not a package")        # broken file: eager, no exception, file dropped
+    broken = fusion.fused(step)
+    assert all(torch.equal(a, b) for a, b in zip(broken(x, y), want))
+    assert list(broken.verdict.values()) == [False] and not packages[0].exists()
+
+    absent = tmp_path / "elsewhere"                   # auto mode never builds a missing kernel for small work
+    monkeypatch.setenv("QUANTKIT_CACHE", str(absent))
+    assert list(fusion.fused(step)(x, y)[0].shape) == [4, 1024]
+    assert not absent.exists()

@@ -69,11 +69,13 @@ class GGUFBackend(Backend):
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
         if options.get("estimate_time"):      # a dry run: timing the encoders costs a second or two
             plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}" + (
-                " at eager speed; the compiled kernels run the K-quants 2-4x faster" if compiled else "")
+                " at eager speed; the built kernels run the K-quants 2-4x faster" if compiled else "")
         if device.type == "cpu":
+            how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
+                   "built if missing, then used" if compiled else "used where already built, else eager")
             plan.extra["fused CPU kernels"] = (
-                f"{'compiled' if compiled else 'not compiled'} ({fused_n / 1e6:.0f} M weights in K-quant types; "
-                f"compiled from {fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, QUANTKIT_COMPILE overrides)")
+                f"{how} ({fused_n / 1e6:.0f} M weights in K-quant types; missing kernels are built from "
+                f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~7 s each once per machine; QUANTKIT_COMPILE overrides)")
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the encoders' hot loops, through torch.compile.
+"""Fused CPU kernels for the encoders' hot loops, built ahead of time by torch's AOTInductor.
 
 The scale searches of the K-quants visit each block 16-37 times with a dozen
 element-wise operations per visit.  Run as separate torch ops, every operation
@@ -11,23 +11,35 @@ blocks that keeps a block's values in registers.
 The fused step is the same torch code as the eager one, and it keeps
 llama.cpp's bytes because Inductor compiles C++ without FMA contraction and
 without unsafe-math reassociation (torch._inductor.config.cpp defaults), and
-every sum is written as explicit left-to-right additions.  Still, a compiled
-kernel is used only after it reproduced the eager function bit for bit on its
-first real input in this process; otherwise (no C++ compiler, an unsupported Python,
-a different result) the eager function runs.  QUANTKIT_COMPILE=0 always runs
-eagerly, =1 compiles from the first call, and the default compiles when the
-planned conversion is large enough for the compile to pay (see plan_work).  CUDA runs eagerly: its kernels are already fused enough, and
-Triton's float division is not guaranteed to be correctly rounded.
+every sum is written as explicit left-to-right additions.  Still, a kernel is
+used only after it reproduced the eager function bit for bit on its first real
+input in this process; otherwise (no C++ compiler, an unsupported torch, a
+different result) the eager function runs.
 
-Compiling takes 10-25 s per function on 2 cores the first time on a machine;
-later processes find the C++ in Inductor's on-disk cache and pay about 0.5 s
-per function for tracing, plus ~1.5 s once for Inductor's start-up.
+Each (function, shapes, constants) is exported once (torch.export) and built by
+AOTInductor into a package in quantkit's cache, keyed by torch version, this
+CPU, and the encoders' source.  Later processes load the package's shared
+library in milliseconds: no tracing and no Inductor start-up, which cost
+torch.compile 3-4 s in every process.  QUANTKIT_COMPILE=0 always runs eagerly;
+=1 builds missing kernels from the first call; the default (auto) uses the
+kernels already built and builds missing ones only when the planned conversion
+is large enough for that to pay (see plan_work).  CUDA runs eagerly: its kernels
+are already fused enough, and Triton's float division is not guaranteed to be
+correctly rounded.
+
+Building costs ~7 s per kernel on 2 cores (once ~8 s more for Inductor's CPU
+probe); a K-quant mixture uses 6-12 kernels, built once per machine.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import platform
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -35,19 +47,18 @@ import torch
 __all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "AUTO_MIN_ELEMENTS"]
 
 
-# Compiling costs seconds (1-2 s per function with a warm on-disk cache plus
-# ~1.5 s once per process; 10-25 s per function the first time on a machine),
-# so by default (QUANTKIT_COMPILE=auto) the kernels are compiled only when the
-# planned run encodes at least this many elements in fused types: about 10 s
-# of eager work.  Small conversions (the demo, tests) run eagerly.  Which path
-# runs changes the speed, never the bytes.
+# Building a kernel costs ~7 s (2 cores), once per machine, so by default
+# (QUANTKIT_COMPILE=auto) missing kernels are built only when the planned run
+# encodes at least this many elements in fused types: about 10 s of eager work.
+# Kernels built earlier are used by every run.  Which path runs changes the
+# speed, never the bytes.
 AUTO_MIN_ELEMENTS = 100_000_000
 _planned_elements = 0
 
 
 def plan_work(elements: int) -> bool:
     """Tell the auto mode how many elements the run will encode in FUSED_TYPES;
-    returns whether the fused kernels will be compiled."""
+    returns whether missing kernels will be built."""
     global _planned_elements
     _planned_elements = int(elements)
     return will_compile()
@@ -58,7 +69,7 @@ def will_compile() -> bool:
 
 
 def would_compile(elements: int) -> bool:
-    """Whether a run encoding `elements` weights in FUSED_TYPES compiles the kernels."""
+    """Whether a run encoding `elements` weights in FUSED_TYPES builds the kernels it lacks."""
     mode = compile_mode()
     return mode == "always" or (mode == "auto" and elements >= AUTO_MIN_ELEMENTS)
 
@@ -73,12 +84,11 @@ def compile_mode() -> str:
     return "auto"
 
 
-# Kernels are compiled for static shapes (tracing with symbolic shapes costs
-# 2-3x more per process).  A chunk of a tensor always has the same shape, so
-# per specialization a few shapes are compiled: the first with at least this
+# Kernels have static shapes.  A chunk of a tensor always has the same shape,
+# so per specialization a few shapes get kernels: the first with at least this
 # many blocks, then only larger ones (the steady-state chunk is the largest);
-# other shapes (a tensor's last, smaller chunk) run eagerly.  (The first input
-# is also what Inductor sizes its loops by: a tiny one gives a single-threaded
+# other shapes (a tensor's last, smaller chunk) run eagerly.  (The shape is
+# also what Inductor sizes its loops by: a tiny one gives a single-threaded
 # kernel, hence the minimum.)
 _MIN_COLUMNS = 512
 _MAX_SHAPES = 3
@@ -91,63 +101,142 @@ _MAX_SHAPES = 3
 _INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16, "emulate_precision_casts": True}
 
 
+@functools.cache
+def _machine_key() -> str:
+    """What a built kernel depends on besides its function: torch, this CPU
+    (kernels are built with -march=native), the thread count baked into the
+    loops' schedule, and the source of the fused functions."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in ("fusion.py", "encoders.py"):
+        h.update((here / f).read_bytes())
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = fh.read().splitlines()
+        cpu = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags", "Features"))
+    except OSError:
+        pass
+    h.update(f"{torch.__version__}|{platform.machine()}|{cpu}|{os.cpu_count()}|{_INDUCTOR_OPTIONS}".encode())
+    return h.hexdigest()[:16]
+
+
+def kernel_dir() -> Path:
+    from ...model.source import cache_dir
+    return cache_dir() / "kernels" / f"torch-{torch.__version__.split('+')[0]}-{_machine_key()}"
+
+
+class _Graph(torch.nn.Module):
+    """fn with its non-tensor arguments fixed: the module that is exported."""
+
+    def __init__(self, fn: Callable, template: tuple):
+        super().__init__()
+        self.fn, self.template = fn, template
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        return self.fn(*(next(it) if a is _Graph else a for a in self.template))
+
+
+class _Kernel:
+    """A loaded AOTInductor package: called with the tensor arguments, returns
+    the function's output structure (a tensor or a tuple of tensors)."""
+
+    def __init__(self, path: Path, tuple_out: bool):
+        # the C++ loader: the Python wrapper (torch._inductor.aoti_load_package)
+        # imports Inductor and costs ~1.5 s per process
+        self.runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self.tuple_out = tuple_out
+
+    def __call__(self, args):
+        out = self.runner.run([a for a in args if isinstance(a, torch.Tensor)])
+        return tuple(out) if self.tuple_out else out[0]
+
+
+def _build(fn: Callable, args: tuple, path: Path) -> None:
+    """Export fn for these shapes and constants and build it into a package at path."""
+    import torch._inductor
+    template = tuple(_Graph if isinstance(a, torch.Tensor) else a for a in args)
+    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(_Graph(fn, template), tensors, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)   # another process may build it too
+        os.close(fd)
+        try:
+            torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=dict(_INDUCTOR_OPTIONS))  # it adds keys
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
 class _Fused:
-    """Callable that runs `fn` compiled on CPU tensors.  The first call of each
-    compiled shape runs both the eager and the compiled function and keeps the
-    compiled one only if the two agree bit for bit; anything else (no C++
-    compiler, an unsupported Python, a different result, an odd shape) runs
-    eagerly.  The tensors' last dimension is the blocks."""
+    """Callable that runs `fn` as a built kernel on CPU tensors.  The first call
+    of each shape loads (or builds) its kernel, runs both the eager function and
+    the kernel and keeps the kernel only if the two agree bit for bit; anything
+    else (no C++ compiler, an unsupported torch, a different result, an odd
+    shape) runs eagerly.  The tensors' last dimension is the blocks."""
 
     def __init__(self, fn: Callable, eager: Callable | None = None):
         self.fn = fn
-        # what runs when nothing is compiled; by default fn itself, else a vectorized
+        # what runs without a kernel; by default fn itself, else a vectorized
         # formulation of the same step that runs faster op by op
         self.eager = eager or fn
-        self.cfn: Callable | None = None
-        self.verdict: dict = {}         # full shape key -> compiled ok?
-        self.shapes: dict = {}          # specialization -> largest block count compiled
+        self.kernels: dict = {}         # full shape key -> _Kernel, or None (refused / unavailable)
+        self.verdict: dict = {}         # full shape key -> kernel used?
+        self.shapes: dict = {}          # specialization -> block counts given kernels
 
     @staticmethod
     def _key(args, full: bool) -> tuple:
         return tuple((tuple(a.shape) if full else tuple(a.shape[:-1])) + (a.dtype,)
                      if isinstance(a, torch.Tensor) else ("v", a) for a in args)
 
-    def _compile_and_check(self, args):
+    def _path(self, full: tuple) -> Path:
+        name = f"{self.fn.__module__}.{self.fn.__qualname__}|{full}"
+        return kernel_dir() / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
+
+    def _load_and_check(self, args, full):
         want = self.eager(*args)
+        if not (isinstance(want, torch.Tensor) or
+                (isinstance(want, tuple) and all(isinstance(t, torch.Tensor) for t in want))):
+            return None, want
         try:
-            if self.cfn is None:
-                import torch._dynamo
-                # a few shapes x specializations per function, all wanted
-                cfg = torch._dynamo.config
-                for name in ("recompile_limit", "cache_size_limit"):
-                    if hasattr(cfg, name):
-                        setattr(cfg, name, max(getattr(cfg, name), 64))
-                self.cfn = torch.compile(self.fn, dynamic=False, options=_INDUCTOR_OPTIONS)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                got = self.cfn(*args)
-        except Exception:               # no C++ compiler, unsupported Python, ...: stay eager
-            return False, want
-        return _bits_equal(want, got), want
+            path = self._path(full)
+            if not path.exists():
+                if not will_compile():
+                    return None, want
+                _build(self.fn, args, path)
+            try:
+                kernel = _Kernel(path, isinstance(want, tuple))
+            except Exception:           # a broken package (a build killed mid-write): drop it, a later run rebuilds
+                path.unlink(missing_ok=True)
+                raise
+            got = kernel(args)
+        except Exception:               # no C++ compiler, unsupported torch, ...: stay eager
+            return None, want
+        return (kernel if _bits_equal(want, got) else None), want
 
     def __call__(self, *args):
-        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or not will_compile():
+        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or compile_mode() == "never":
             return self.eager(*args)
-        # views would make dynamo guard on their base tensors: hand over plain tensors
-        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a for a in args)
+        # the kernels were built for contiguous inputs of these shapes
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         full = self._key(args, True)
-        ok = self.verdict.get(full)
-        if ok is None:
+        if full not in self.kernels:
             spec = self._key(args, False)
             m = args[0].shape[-1]
             done = self.shapes.get(spec, [])
             if m < _MIN_COLUMNS or len(done) >= _MAX_SHAPES or (done and m <= max(done)):
                 return self.eager(*args)
             self.shapes[spec] = done + [m]
-            ok, out = self._compile_and_check(args)
-            self.verdict[full] = ok
+            kernel, out = self._load_and_check(args, full)
+            self.kernels[full] = kernel
+            self.verdict[full] = kernel is not None
             return out
-        return self.cfn(*args) if ok else self.eager(*args)
+        kernel = self.kernels[full]
+        return kernel(args) if kernel is not None else self.eager(*args)
 
 
 def _bits_equal(a, b) -> bool:
@@ -164,9 +253,9 @@ def _bits_equal(a, b) -> bool:
 
 
 def fused(fn: Callable | None = None, *, eager: Callable | None = None):
-    """Decorator: compile the function for CPU tensors (see module docstring).
-    `eager`: an equivalent vectorized function to run when not compiled; the
-    bit-for-bit check then also holds the two formulations to each other."""
+    """Decorator: run the function as a built kernel on CPU tensors (see module
+    docstring).  `eager`: an equivalent vectorized function to run without a
+    kernel; the bit-for-bit check then also holds the two formulations to each other."""
     if fn is None:
         return lambda f: _Fused(f, eager)
     return _Fused(fn, eager)
