@@ -44,6 +44,8 @@ _FUSED = {
     QT.Q3_K: ("_q3_start", "_q3_pass", "_q3_finish"),
     QT.Q4_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_k45_finish"),
     QT.Q6_K: ("_qx_candidate", "_q6_finish"),
+    QT.IQ4_NL: ("_iq4_candidate",),
+    QT.IQ4_XS: ("_iq4_candidate",),
 }
 
 
@@ -79,11 +81,14 @@ def test_fused_kernels_match_llama_cpp(forced_compile, qtype):
         assert any(f.verdict.values()), f"{name}: no compiled kernel was used (verdicts {f.verdict})"
 
 
-def test_fused_kernels_match_llama_cpp_with_imatrix(forced_compile):
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.IQ4_XS], ids=lambda t: t.name)
+def test_fused_kernels_match_llama_cpp_with_imatrix(forced_compile, qtype):
     x = _data()
     imatrix = np.random.default_rng(5).random(x.shape[1]).astype(np.float32) + 0.1
-    got = encoders.quantize(torch.from_numpy(x), QT.Q4_K, imatrix=torch.from_numpy(imatrix))
-    want = ref.quantize_ref(x, int(QT.Q4_K), imatrix)
+    imatrix[::7] = 0.0                    # zero weights; whole zero groups: all-zero sums stay +0 as in C
+    imatrix[:64] = 0.0
+    got = encoders.quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(imatrix))
+    want = ref.quantize_ref(x, int(qtype), imatrix)
     assert np.array_equal(got.reshape(want.shape), want)
 
 

@@ -59,7 +59,8 @@ SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
 })
 
 # types whose encoders run fused kernels on the CPU (see fusion.py)
-FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                                                         QT.IQ4_NL, QT.IQ4_XS})
 
 _F32 = torch.float32
 _GROUP_MAX_EPS = float(np.float32(1e-15))
@@ -725,31 +726,62 @@ def _best_index_iq4(al: torch.Tensor, tabs, want_index: bool):
     return hi.add_((lo - hi).mul_(pick_lo))
 
 
-def _iq4_block_scales(x: torch.Tensor, w: torch.Tensor, vals: torch.Tensor, ntry: int = 7):
+def _iq4_pick(al: torch.Tensor, lo_t: torch.Tensor, hi_t: torch.Tensor) -> torch.Tensor:
+    """best_index_int8's codebook value for al (see _best_index_iq4)."""
+    cell = (al + 128.0).nan_to_num(nan=0.0).clamp(0, 255).to(torch.int64)
+    lo, hi = torch.take(lo_t, cell), torch.take(hi_t, cell)
+    return torch.where(torch.sub(al, lo) < torch.sub(hi, al), lo, hi)
+
+
+def _iq4_take(sumqx, sumq2, d, best, first):
+    """quantize_row_iq4_nl_impl's choice: the base candidate's scale (0 unless
+    sumq2 > 0), then a later one only when strictly better.  `first`: 0-dim bool."""
+    r = _div(sumqx, sumq2)
+    pos = sumq2 > 0
+    d0 = torch.where(pos, r, torch.zeros_like(r))
+    upd = pos & (sumqx * sumqx > best * sumq2)
+    d_new = torch.where(first, d0, torch.where(upd, r, d))
+    return d_new, torch.where(first | upd, d_new * sumqx, best)
+
+
+def _iq4_candidate_vec(x, w, lo_t, hi_t, idc, d, best, first):
+    """_iq4_candidate over all positions at once (the eager formulation)."""
+    q = _iq4_pick(idc * x, lo_t, hi_t)
+    wq = w * q
+    sums = _seqsum(torch.stack([wq * x, wq * q], 1))      # the C sums start at +0
+    return _iq4_take(sums[0], sums[1], d, best, first)
+
+
+@fused(eager=_iq4_candidate_vec)
+def _iq4_candidate(x, w, lo_t, hi_t, idc, d, best, first):
+    """One candidate inverse scale `idc` (m,) of the IQ4 scale search, position by
+    position (x, w: (32, m)).  Returns the updated (d, best)."""
+    sumqx = sumq2 = None
+    for xj, wj in zip(x.unbind(0), w.unbind(0)):
+        q = _iq4_pick(idc * xj, lo_t, hi_t)
+        wq = wj * q
+        a, b = wq * xj, wq * q
+        sumqx, sumq2 = (a, b) if sumqx is None else (sumqx + a, sumq2 + b)
+    # the C sums start at +0 and so are never -0; without that leading 0 an
+    # all-zero sum could be -0 (w*q*q is never -0)
+    sumqx = torch.where(sumqx == 0, torch.zeros_like(sumqx), sumqx)
+    return _iq4_take(sumqx, sumq2, d, best, first)
+
+
+def _iq4_block_scales(x: torch.Tensor, w: torch.Tensor, tabs, ntry: int = 7):
     """Per-32 scale search of quantize_row_iq4_nl_impl.  x, w: (32, m) -> d (m,)."""
+    _, lo_t, hi_t, _ = tabs
     amax, mx = _signed_absmax(x)
     zero = amax < _GROUP_MAX_EPS
     mx = torch.where(zero, torch.ones_like(mx), mx)   # all-zero groups are masked below
     d0 = _div(-mx, -127.0)                       # -max / values[0]
-    id0 = _recip(d0)
-    nums = torch.arange(-ntry, ntry + 1, dtype=_F32, device=x.device) - 127.0
-    ids = torch.cat([id0.unsqueeze(0), _div(nums.unsqueeze(1), mx.unsqueeze(0))])  # (C, m)
-    al = ids.unsqueeze(0) * x.unsqueeze(1)                                           # (32, C, m)
-    q = _best_index_iq4(al, vals, want_index=False)
-    del al
-    buf = torch.empty((x.shape[0], 2) + tuple(q.shape[1:]), dtype=_F32, device=x.device)
-    wq = torch.mul(w.unsqueeze(1), q, out=buf[:, 1])
-    torch.mul(wq, x.unsqueeze(1), out=buf[:, 0])
-    wq.mul_(q)
-    sums = _seqsum(buf)
-    sumqx, sumq2 = sums[0], sums[1]
-    r = _div(sumqx, sumq2)
-    d = torch.where(sumq2[0] > 0, r[0], torch.zeros_like(r[0]))
-    best = d * sumqx[0]
-    for c in range(1, ids.shape[0]):
-        upd = (sumq2[c] > 0) & (sumqx[c] * sumqx[c] > best * sumq2[c])
-        d = torch.where(upd, r[c], d)
-        best = torch.where(upd, d * sumqx[c], best)
+    is_first = (torch.tensor(True, device=x.device), torch.tensor(False, device=x.device))
+    state = (torch.zeros_like(mx), torch.zeros_like(mx))      # (d, best); distinct tensors
+    state = _iq4_candidate(x, w, lo_t, hi_t, _recip(d0), *state, is_first[0])
+    for itry in range(-ntry, ntry + 1):          # id = (itry + values[0]) / max
+        num = torch.tensor(float(itry - 127), dtype=_F32, device=x.device)
+        state = _iq4_candidate(x, w, lo_t, hi_t, _div(num, mx), *state, is_first[1])
+    d = state[0]
     return torch.where(zero, torch.zeros_like(d), d)
 
 
@@ -1078,8 +1110,8 @@ _ENCODERS = {
     QT.Q4_K: (_enc_q4_k, 4, False),
     QT.Q5_K: (_enc_q5_k, 4, False),
     QT.Q6_K: (_enc_q6_k, 2, False),
-    QT.IQ4_NL: (_enc_iq4_nl, 16, False),
-    QT.IQ4_XS: (_enc_iq4_xs, 16, False),
+    QT.IQ4_NL: (_enc_iq4_nl, 8, False),
+    QT.IQ4_XS: (_enc_iq4_xs, 8, False),
 }
 # with an importance matrix the legacy types run a 19/37-candidate search (chunk sizing)
 _IMATRIX_WORK = {QT.Q4_0: 2, QT.Q5_0: 2, QT.Q4_1: 1, QT.Q5_1: 1, QT.Q2_K: 1,
