@@ -122,8 +122,12 @@ def _machine_key() -> str:
 
 
 def kernel_dir() -> Path:
+    """Where built kernels live: $QUANTKIT_KERNEL_DIR (a CI cache, a benchmark's fresh start), else the
+    cache's kernels/ folder; one subfolder per machine key."""
     from ...model.source import cache_dir
-    return cache_dir() / "kernels" / f"torch-{torch.__version__.split('+')[0]}-{_machine_key()}"
+    base = Path(os.environ["QUANTKIT_KERNEL_DIR"]) if os.environ.get("QUANTKIT_KERNEL_DIR") else \
+        cache_dir() / "kernels"
+    return base / f"torch-{torch.__version__.split('+')[0]}-{_machine_key()}"
 
 
 class _Graph(torch.nn.Module):
