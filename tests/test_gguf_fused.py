@@ -134,3 +134,27 @@ def test_kernel_is_built_once_loaded_later_and_refused_when_wrong(tmp_path, monk
     monkeypatch.setenv("QUANTKIT_CACHE", str(absent))
     assert list(fusion.fused(step)(x, y)[0].shape) == [4, 1024]
     assert not absent.exists()
+
+
+def test_a_failed_build_runs_eagerly_and_is_not_retried(tmp_path, monkeypatch):
+    """No C++ compiler (or any build failure): the eager result, and no second build attempt in the process."""
+    from quantkit.backends.gguf import fusion
+    monkeypatch.setenv("QUANTKIT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+    monkeypatch.setattr(fusion, "_build_failed", False)
+    attempts = []
+
+    def failing_build(fn, args, path):
+        attempts.append(fn.__name__)
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(fusion, "_build", failing_build)
+
+    def double(x):
+        return x * 2.0
+
+    def halve(x):
+        return x * 0.5
+    x = torch.randn(4, 1024)
+    assert torch.equal(fusion.fused(double)(x), x * 2.0)
+    assert torch.equal(fusion.fused(halve)(x), x * 0.5)
+    assert attempts == ["double"]

@@ -74,7 +74,7 @@ class GGUFBackend(Backend):
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
             plan.extra["fused CPU kernels"] = (
-                f"{how} ({fused_n / 1e6:.0f} M weights in K-quant types; missing kernels are built from "
+                f"{how} ({fused_n / 1e6:.0f} M weights in K-quant and IQ4 types; missing kernels are built from "
                 f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~7 s each once per machine; QUANTKIT_COMPILE overrides)")
         return plan
 

@@ -142,6 +142,11 @@ class _Graph(torch.nn.Module):
         return self.fn(*(next(it) if a is _Graph else a for a in self.template))
 
 
+# torch's C++ package loader (absent from some builds: then everything runs eagerly)
+_LOADER = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+_build_failed = False     # one failed build (no C++ compiler, ...) stops further attempts in this process
+
+
 class _Kernel:
     """A loaded AOTInductor package: called with the tensor arguments, returns
     the function's output structure (a tensor or a tuple of tensors)."""
@@ -149,7 +154,7 @@ class _Kernel:
     def __init__(self, path: Path, tuple_out: bool):
         # the C++ loader: the Python wrapper (torch._inductor.aoti_load_package)
         # imports Inductor and costs ~1.5 s per process
-        self.runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self.runner = _LOADER(str(path), "model", False, 1, -1)
         self.tuple_out = tuple_out
 
     def __call__(self, args):
@@ -202,19 +207,24 @@ class _Fused:
         return kernel_dir() / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
 
     def _load_and_check(self, args, full):
+        global _build_failed
         want = self.eager(*args)
-        if not (isinstance(want, torch.Tensor) or
-                (isinstance(want, tuple) and all(isinstance(t, torch.Tensor) for t in want))):
+        if _LOADER is None or not (isinstance(want, torch.Tensor) or
+                                   (isinstance(want, tuple) and all(isinstance(t, torch.Tensor) for t in want))):
             return None, want
         try:
             path = self._path(full)
             if not path.exists():
-                if not will_compile():
+                if _build_failed or not will_compile():
                     return None, want
-                _build(self.fn, args, path)
+                try:
+                    _build(self.fn, args, path)
+                except Exception:
+                    _build_failed = True
+                    raise
             try:
                 kernel = _Kernel(path, isinstance(want, tuple))
-            except Exception:           # a broken package (a build killed mid-write): drop it, a later run rebuilds
+            except Exception:           # a damaged package file: drop it, a later large run rebuilds it
                 path.unlink(missing_ok=True)
                 raise
             got = kernel(args)
