@@ -50,12 +50,13 @@ _FUSED = {
 
 
 def _data() -> np.ndarray:
-    """384 rows of 2304: normal weights with outliers, plus llama.cpp's edge cases
-    (zeros, ties, subnormal ranges, signed zeros ...) tiled in (~1.5 chunks)."""
+    """512 rows of 2304: normal weights with outliers, plus llama.cpp's edge cases
+    (zeros, ties, subnormal ranges, signed zeros ...) tiled in: at least one
+    full (power-of-two) chunk for every type, so that kernels run."""
     g = np.random.default_rng(11)
-    x = g.standard_normal((384, 2304)) * 0.02
+    x = g.standard_normal((512, 2304)) * 0.02
     x[g.random(x.shape) < 0.01] *= 40.0
-    x[::24] = np.tile(_special_rows(2304, 3), (2, 1))[:16]
+    x[::32] = np.tile(_special_rows(2304, 3), (2, 1))[:16]
     return x.astype(np.float32)
 
 

@@ -317,8 +317,12 @@ def _qx_pick(sumlx, suml2, iscale, scale, best, isc_sel, first):
 def _qx_candidate_vec(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
     """_qx_candidate over all positions at once (the eager formulation)."""
     iscale = _div(num, mx)
-    l = torch.round(x * iscale).clamp(min=-nmax).minimum(nmax - 1)
-    sums = _seqsum(torch.stack([wx * l, (w * l) * l], 1), from_zero=False)
+    l = torch.mul(x, iscale).round_().clamp_(min=-nmax)
+    l = torch.minimum(l, nmax - 1, out=l)
+    t = torch.empty((x.shape[0], 2) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    torch.mul(wx, l, out=t[:, 0])
+    torch.mul(w, l, out=t[:, 1]).mul_(l)                           # (w * l) * l
+    sums = _seqsum(t, from_zero=False)
     return _qx_pick(sums[0], sums[1], iscale, scale, best, isc_sel, first)
 
 
@@ -484,13 +488,16 @@ def _qkx_candidate_vec(x, w, xmin, mx, degenerate, sum_w, sum_x, nmax, num,
                        best, scale, isc_w, cur_w, won, cur, use_mad: bool, exact: bool):
     """_qkx_candidate over all positions at once (the eager formulation)."""
     isc, big = _qkx_isc_big(num, mx, cur, xmin, degenerate)
-    f = (x - cur) * isc
-    la = _levels(_ni(f) if exact else torch.round(f), nmax)
+    f = torch.sub(x, cur).mul_(isc)
+    # in place where possible: each full-chunk temporary is a fresh allocation and its page faults
+    la = _levels_(_ni(f) if exact else f.round_(), nmax)
     wl = w * la
-    D, this_scale, this_min = _qkx_scale_min(sum_w, sum_x, _seqsum(wl, from_zero=False),
-                                             _seqsum(wl * la, from_zero=False), _seqsum(wl * x, from_zero=False))
-    diff = la * this_scale + this_min - x
-    err = _seqsum((diff.abs() if use_mad else diff * diff) * w, from_zero=False)
+    t = wl * la
+    sum_l, sum_l2 = _seqsum(wl, from_zero=False), _seqsum(t, from_zero=False)
+    sum_lx = _seqsum(torch.mul(wl, x, out=t), from_zero=False)
+    D, this_scale, this_min = _qkx_scale_min(sum_w, sum_x, sum_l, sum_l2, sum_lx)
+    diff = la.mul_(this_scale).add_(this_min).sub_(x)             # la * scale + min - x
+    err = _seqsum((diff.abs_() if use_mad else diff.mul_(diff)).mul_(w), from_zero=False)
     return _qkx_take(D, err, this_scale, this_min, isc, best, scale, isc_w, cur_w, won, cur, big)
 
 
@@ -528,6 +535,11 @@ def _levels(r: torch.Tensor, nmax: torch.Tensor) -> torch.Tensor:
     keep -0.0 where a compiled max may not, and the fused kernels must equal
     the eager ones bit for bit."""
     return torch.where(r > 0, r, torch.zeros_like(r)).minimum(nmax)
+
+
+def _levels_(r: torch.Tensor, nmax: torch.Tensor) -> torch.Tensor:
+    """_levels in place (the eager formulations: fewer full-chunk temporaries)."""
+    return torch.minimum(r.masked_fill_(~(r > 0), 0.0), nmax, out=r)
 
 
 def _qkx_init_vec(x, w, nmax, use_mad: bool, exact: bool = False):

@@ -84,14 +84,20 @@ def compile_mode() -> str:
     return "auto"
 
 
-# Kernels have static shapes.  A chunk of a tensor always has the same shape,
-# so per specialization a few shapes get kernels: the first with at least this
-# many blocks, then only larger ones (the steady-state chunk is the largest);
-# other shapes (a tensor's last, smaller chunk) run eagerly.  (The shape is
-# also what Inductor sizes its loops by: a tiny one gives a single-threaded
-# kernel, hence the minimum.)
+# Kernels have static shapes.  A tensor's full chunks all have one shape, and
+# chunk sizes are powers of two (2^20 elements over power-of-two block sizes
+# and work factors), so only power-of-two block counts of at least this many
+# get kernels, at most _MAX_SHAPES per specialization; other shapes (a small
+# tensor's only chunk, a tensor's last chunk, Q3_K's shrinking active sets) run
+# eagerly, so that no run builds kernels for shapes that only one model has.
+# (Too few blocks would also give a single-threaded kernel.)
 _MIN_COLUMNS = 512
 _MAX_SHAPES = 3
+
+
+def _kernel_shape(m: int) -> bool:
+    return m >= _MIN_COLUMNS and m & (m - 1) == 0
+
 
 # One step is a few hundred point-wise nodes; Inductor's default cap on a
 # fused kernel (64 nodes) would cut it into loops that store and reload
@@ -130,6 +136,9 @@ def kernel_dir() -> Path:
     return base / f"torch-{torch.__version__.split('+')[0]}-{_machine_key()}"
 
 
+_TENSOR = object()          # a tensor argument's slot in _Graph's template
+
+
 class _Graph(torch.nn.Module):
     """fn with its non-tensor arguments fixed: the module that is exported."""
 
@@ -139,7 +148,7 @@ class _Graph(torch.nn.Module):
 
     def forward(self, *tensors):
         it = iter(tensors)
-        return self.fn(*(next(it) if a is _Graph else a for a in self.template))
+        return self.fn(*(next(it) if a is _TENSOR else a for a in self.template))
 
 
 # torch's C++ package loader (absent from some builds: then everything runs eagerly)
@@ -165,7 +174,7 @@ class _Kernel:
 def _build(fn: Callable, args: tuple, path: Path) -> None:
     """Export fn for these shapes and constants and build it into a package at path."""
     import torch._inductor
-    template = tuple(_Graph if isinstance(a, torch.Tensor) else a for a in args)
+    template = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -242,7 +251,7 @@ class _Fused:
             spec = self._key(args, False)
             m = args[0].shape[-1]
             done = self.shapes.get(spec, [])
-            if m < _MIN_COLUMNS or len(done) >= _MAX_SHAPES or (done and m <= max(done)):
+            if not _kernel_shape(m) or len(done) >= _MAX_SHAPES:
                 return self.eager(*args)
             self.shapes[spec] = done + [m]
             kernel, out = self._load_and_check(args, full)
