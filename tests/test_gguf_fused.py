@@ -159,3 +159,24 @@ def test_a_failed_build_runs_eagerly_and_is_not_retried(tmp_path, monkeypatch):
     assert torch.equal(fusion.fused(double)(x), x * 2.0)
     assert torch.equal(fusion.fused(halve)(x), x * 0.5)
     assert attempts == ["double"]
+
+
+def test_shapes_seen_without_building_do_not_use_up_kernel_slots(tmp_path, monkeypatch):
+    """Auto mode with little work neither builds nor settles a shape: a later forced run still gets kernels."""
+    from quantkit.backends.gguf import fusion
+    monkeypatch.setenv("QUANTKIT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(fusion, "_build_failed", False)
+    built = []
+    monkeypatch.setattr(fusion, "_build", lambda fn, args, path: built.append(args[0].shape[-1]))
+
+    def triple(x):
+        return x * 3.0
+    f = fusion.fused(triple)
+    monkeypatch.setenv("QUANTKIT_COMPILE", "auto")
+    fusion.plan_work(0)
+    for m in (512, 1024, 2048, 4096):
+        assert torch.equal(f(torch.ones(2, m)), torch.full((2, m), 3.0))
+    assert built == [] and f.verdict == {}
+    monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+    f(torch.ones(2, 8192))
+    assert built == [8192]                              # attempted (the stub builds nothing, so no kernel)

@@ -205,6 +205,7 @@ class _Fused:
         self.kernels: dict = {}         # full shape key -> _Kernel, or None (refused / unavailable)
         self.verdict: dict = {}         # full shape key -> kernel used?
         self.shapes: dict = {}          # specialization -> block counts given kernels
+        self.absent: set = set()        # full shape keys with no package, while building is off
 
     @staticmethod
     def _key(args, full: bool) -> tuple:
@@ -225,6 +226,7 @@ class _Fused:
             path = self._path(full)
             if not path.exists():
                 if _build_failed or not will_compile():
+                    self.absent.add(full)   # not settled: a later forced or large run may build it
                     return None, want
                 try:
                     _build(self.fn, args, path)
@@ -251,12 +253,15 @@ class _Fused:
             spec = self._key(args, False)
             m = args[0].shape[-1]
             done = self.shapes.get(spec, [])
-            if not _kernel_shape(m) or len(done) >= _MAX_SHAPES:
+            if (not _kernel_shape(m) or len(done) >= _MAX_SHAPES
+                    or (full in self.absent and (_build_failed or not will_compile()))):
                 return self.eager(*args)
-            self.shapes[spec] = done + [m]
+            self.absent.discard(full)
             kernel, out = self._load_and_check(args, full)
-            self.kernels[full] = kernel
-            self.verdict[full] = kernel is not None
+            if full not in self.absent:     # settled: loaded, built, or refused by the bit check
+                self.shapes[spec] = done + [m]
+                self.kernels[full] = kernel
+                self.verdict[full] = kernel is not None
             return out
         kernel = self.kernels[full]
         return kernel(args) if kernel is not None else self.eager(*args)
