@@ -65,12 +65,12 @@ def atomic_file(final: Path):
     fd, tmp = tempfile.mkstemp(prefix=f".partial-{final.name}.", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp)
-    # the writer creates the file itself: opening an existing (empty) file with truncation marks it on
-    # ext4 for a forced flush at close (auto_da_alloc), which cost ~0.9 s per 2 GiB file
+    # only the name is kept: the writer creates the file itself (with normal permissions).  Opening
+    # an existing empty file with truncation marks it on ext4 for a forced flush at close
+    # (auto_da_alloc), which cost ~0.9 s per 2 GiB file
     tmp.unlink()
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a finished artifact gets normal permissions
         os.replace(tmp, final)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -156,6 +156,10 @@ _LOADER = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", No
 _build_failed = False     # one failed build (no C++ compiler, ...) stops further attempts in this process
 
 
+def _may_build() -> bool:
+    return not _build_failed and will_compile()
+
+
 class _Kernel:
     """A loaded AOTInductor package: called with the tensor arguments, returns
     the function's output structure (a tensor or a tuple of tensors)."""
@@ -203,9 +207,13 @@ class _Fused:
         # formulation of the same step that runs faster op by op
         self.eager = eager or fn
         self.kernels: dict = {}         # full shape key -> _Kernel, or None (refused / unavailable)
-        self.verdict: dict = {}         # full shape key -> kernel used?
         self.shapes: dict = {}          # specialization -> block counts given kernels
         self.absent: set = set()        # full shape keys with no package, while building is off
+
+    @property
+    def verdict(self) -> dict:
+        """full shape key -> was a kernel accepted?"""
+        return {k: v is not None for k, v in self.kernels.items()}
 
     @staticmethod
     def _key(args, full: bool) -> tuple:
@@ -217,17 +225,18 @@ class _Fused:
         return kernel_dir() / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
 
     def _load_and_check(self, args, full):
+        """(kernel or None, the eager result, settled?).  Not settled: no package
+        and building is off, so a later forced or large run may still build it."""
         global _build_failed
         want = self.eager(*args)
         if _LOADER is None or not (isinstance(want, torch.Tensor) or
                                    (isinstance(want, tuple) and all(isinstance(t, torch.Tensor) for t in want))):
-            return None, want
+            return None, want, True
         try:
             path = self._path(full)
             if not path.exists():
-                if _build_failed or not will_compile():
-                    self.absent.add(full)   # not settled: a later forced or large run may build it
-                    return None, want
+                if not _may_build():
+                    return None, want, False
                 try:
                     _build(self.fn, args, path)
                 except Exception:
@@ -240,8 +249,8 @@ class _Fused:
                 raise
             got = kernel(args)
         except Exception:               # no C++ compiler, unsupported torch, ...: stay eager
-            return None, want
-        return (kernel if _bits_equal(want, got) else None), want
+            return None, want, True
+        return (kernel if _bits_equal(want, got) else None), want, True
 
     def __call__(self, *args):
         if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or compile_mode() == "never":
@@ -253,15 +262,15 @@ class _Fused:
             spec = self._key(args, False)
             m = args[0].shape[-1]
             done = self.shapes.get(spec, [])
-            if (not _kernel_shape(m) or len(done) >= _MAX_SHAPES
-                    or (full in self.absent and (_build_failed or not will_compile()))):
+            if not _kernel_shape(m) or len(done) >= _MAX_SHAPES or (full in self.absent and not _may_build()):
                 return self.eager(*args)
-            self.absent.discard(full)
-            kernel, out = self._load_and_check(args, full)
-            if full not in self.absent:     # settled: loaded, built, or refused by the bit check
+            kernel, out, settled = self._load_and_check(args, full)
+            if settled:                     # loaded, built, or refused: the shape takes a slot
+                self.absent.discard(full)
                 self.shapes[spec] = done + [m]
                 self.kernels[full] = kernel
-                self.verdict[full] = kernel is not None
+            else:
+                self.absent.add(full)
             return out
         kernel = self.kernels[full]
         return kernel(args) if kernel is not None else self.eager(*args)

@@ -102,7 +102,7 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
             done: dict[gguf.GGMLQuantizationType, np.ndarray | _Streamed] = {}
             for job, w, task in zip(jobs, writers, tasks):
                 q = job.types[t.name]
-                if q in _PLAIN:
+                if q not in done and q in _PLAIN:
                     done[q] = _Streamed(src, q, tensor_nbytes(t, q))
                 elif q not in done:
                     weights = imatrix.get(t.source) if imatrix and t.source else None
