@@ -178,16 +178,18 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, work: 
         qk_dir = work / "quantkit"
         # each tool writes a new file, as a user's run does: replacing a 2 GiB file from an earlier run
         # made ext4 flush the new one at the rename (measured: quantkit F32 5.5-9.5 s over an old file,
-        # 4.4-4.9 s without one)
-        for old in list(qk_dir.glob(f"*-{t}.gguf")) + [work / f"llama-{t}.gguf"]:
-            if t != "BF16" or old.parent == qk_dir:
-                old.unlink(missing_ok=True)
+        # 4.4-4.9 s without one); each tool's old file is deleted just before its own run, so that
+        # neither pays for freeing the other's
+        for old in qk_dir.glob(f"*-{t}.gguf"):
+            old.unlink()
         before = kernels_built()
         qk_wall, qk_rss = run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o",
                                str(qk_dir), "--device", "cpu"])
         new_kernels = kernels_built() - before
         qk_file = next(qk_dir.glob(f"*-{t}.gguf"))
         ref = work / f"llama-{t}.gguf"
+        if t != "BF16":
+            ref.unlink(missing_ok=True)
         if t in ("F16", "BF16", "F32"):
             if t == "BF16":
                 ref, wall, rss = bf16, conv_wall, conv_rss

@@ -45,6 +45,27 @@ def test_f32_file_round_trips_every_tensor_exactly(tiny_gguf_source, tmp_path):
     assert torch.equal(g.lm_head_weight(), src.lm_head_weight().float())
 
 
+def test_plain_types_written_in_slices_equal_whole_tensor_encoding(tiny_gguf_source, tmp_path, monkeypatch):
+    """F16/BF16/F32 are converted and written a few rows at a time (F32/F16 through one reused buffer);
+    with slices of 3 rows, most tensors end in a partial slice, and every byte must still be what
+    quantize() makes of the whole tensor."""
+    from quantkit.backends.gguf import writer
+    monkeypatch.setattr(writer, "_SLICE_ELEMENTS", 3 * 256)
+    paths = convert(tiny_gguf_source, tmp_path, "F32", "F16", "BF16")
+    f32, f16, bf16 = (gguf.GGUFReader(str(p)) for p in paths)
+    QT = gguf.GGMLQuantizationType
+    checked = 0
+    for a, b, c in zip(f32.tensors, f16.tensors, bf16.tensors):
+        if a.tensor_type != QT.F32 or b.tensor_type != QT.F16:
+            continue                       # norms stay F32 in every file
+        x = torch.from_numpy(np.array(a.data, dtype=np.float32)).reshape(-1, int(a.shape[0]))
+        assert x.shape[0] % 3, a.name      # a partial last slice, or pick another slice size
+        assert np.array_equal(np.asarray(b.data).view(np.uint8).reshape(-1), encoders.quantize(x, QT.F16).reshape(-1)), a.name
+        assert np.array_equal(np.asarray(c.data).view(np.uint8).reshape(-1), encoders.quantize(x, QT.BF16).reshape(-1)), a.name
+        checked += 1
+    assert checked >= 2 * 7
+
+
 def test_metadata_has_the_types_llama_cpp_checks(tiny_gguf_source, tmp_path):
     (path,) = convert(tiny_gguf_source, tmp_path, "Q8_0")
     r = gguf.GGUFReader(str(path))

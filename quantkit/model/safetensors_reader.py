@@ -127,11 +127,12 @@ class SafetensorsCheckpoint:
         except KeyError:
             raise SourceError(f"{self.folder}: tensor {name!r} is missing from the checkpoint") from None
         dtype = DTYPES[entry.dtype]
-        buf = bytearray(entry.nbytes)
+        # torch.empty, not bytearray: the buffer is filled by the read, a zero fill first costs a pass
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
         try:
             with open(entry.file, "rb", buffering=0) as f:
                 f.seek(entry.start)
-                view = memoryview(buf)
+                view = memoryview(buf.numpy())
                 got = 0
                 while got < entry.nbytes:
                     n = f.readinto(view[got:])
@@ -142,7 +143,7 @@ class SafetensorsCheckpoint:
             raise SourceError(f"{entry.file}: cannot read tensor {name!r} ({e.strerror or e})") from e
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
+        return buf.view(dtype).reshape(entry.shape)
 
 
 def checkpoint_size(folder: Path) -> int:

@@ -42,7 +42,10 @@ def tensor_nbytes(t: GGUFTensor, qtype: gguf.GGMLQuantizationType) -> int:
 
 
 _PLAIN = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-_SLICE_ELEMENTS = 1 << 22
+_SLICE_ELEMENTS = 1 << 18
+# types whose encoding is a plain dtype cast, given finite values (write_files refuses the others first):
+# a copy_ rounds exactly as quantize()'s .to() does
+_BY_COPY = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16}
 
 
 class _Streamed:
@@ -54,8 +57,20 @@ class _Streamed:
         self.src, self.q, self.nbytes = src, q, nbytes
 
     def tofile(self, f) -> None:
-        step = max(1, _SLICE_ELEMENTS // self.src.shape[-1])
-        for s in range(0, self.src.shape[0], step):
+        rows, n = self.src.shape
+        step = max(1, _SLICE_ELEMENTS // n)
+        wide = _BY_COPY.get(self.q)
+        if wide is not None and self.src.dtype != wide and self.src.device.type == "cpu":
+            # into one reused buffer small enough to stay in cache: a fresh buffer per slice made the
+            # synthetic F32 file's writes take 3.2-3.7 s instead of 1.3-1.8 s (cProfile, page cache dropped)
+            buf = torch.empty((step, n), dtype=wide)
+            for s in range(0, rows, step):
+                part = self.src[s:s + step]
+                out = buf[:part.shape[0]]
+                out.copy_(part)
+                out.numpy().tofile(f)
+            return
+        for s in range(0, rows, step):
             encoders.quantize(self.src[s:s + step], self.q).tofile(f)
 
 
