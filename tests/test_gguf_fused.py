@@ -80,6 +80,10 @@ def test_fused_kernels_match_llama_cpp(forced_compile, qtype):
     for name in _FUSED[qtype]:
         f = getattr(encoders, name)
         assert any(f.verdict.values()), f"{name}: no compiled kernel was used (verdicts {f.verdict})"
+    if qtype == QT.Q3_K:
+        # the later coordinate-descent passes run on the shrinking active set, padded to kernel shapes
+        passes = {k[0][1] for k, used in encoders._q3_pass.verdict.items() if used}
+        assert len(passes) >= 3 and max(passes) == 65536, passes
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.IQ4_XS], ids=lambda t: t.name)

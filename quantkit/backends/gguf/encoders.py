@@ -47,7 +47,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
-from .fusion import fused
+from .fusion import fused, padded_columns
 
 __all__ = ["quantize", "dequantize", "SUPPORTED", "FUSED_TYPES"]
 
@@ -433,22 +433,30 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     # Coordinate descent, up to 5 passes.  A pass that changes nothing in a
     # group leaves its state untouched, so every later pass is a no-op for it:
     # after each pass only the groups that changed are carried on (compacted).
+    # On a full chunk on the CPU the active set is padded with repeats of one of
+    # its groups to a size that has a kernel (measured, 2048x5632: the four
+    # eager passes over ~20, 5, 1, 0.1 % of the groups took 6.7 ms per chunk,
+    # against 2.0 ms for the whole first pass as a kernel).
+    m = x.shape[1] if x.device.type == "cpu" else 0
     act = None
     for _ in range(5):
         if act is None:
             xa, La, slx_a, sl2_a = x, L, sumlx, suml2
         else:
-            xa, La = x[:, act], L[:, act]
-            slx_a, sl2_a = sumlx[act], suml2[act]
+            k = act.numel()
+            p = padded_columns(k, m) or k
+            idx = act if p == k else torch.cat([act, act[:1].expand(p - k)])
+            xa, La = x[:, idx], L[:, idx]
+            slx_a, sl2_a = sumlx[idx], suml2[idx]
         La, slx_a, sl2_a, changed = _q3_pass(xa, La, slx_a, sl2_a, nmax)
         if act is None:
             L, sumlx, suml2 = La, slx_a, sl2_a
             act = torch.nonzero(changed).squeeze(1)
         else:
-            L[:, act] = La
-            sumlx[act] = slx_a
-            suml2[act] = sl2_a
-            act = act[changed]
+            L[:, act] = La[:, :k]
+            sumlx[act] = slx_a[:k]
+            suml2[act] = sl2_a[:k]
+            act = act[changed[:k]]
         if act.numel() == 0:
             break
     scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))

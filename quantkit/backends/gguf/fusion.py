@@ -88,15 +88,28 @@ def compile_mode() -> str:
 # chunk sizes are powers of two (2^20 elements over power-of-two block sizes
 # and work factors), so only power-of-two block counts of at least this many
 # get kernels, at most _MAX_SHAPES per specialization; other shapes (a small
-# tensor's only chunk, a tensor's last chunk, Q3_K's shrinking active sets) run
-# eagerly, so that no run builds kernels for shapes that only one model has.
-# (Too few blocks would also give a single-threaded kernel.)
+# tensor's only chunk, a tensor's last chunk) run eagerly, so that no run
+# builds kernels for shapes that only one model has.  (Too few blocks would
+# also give a single-threaded kernel.)  Q3_K's shrinking active sets are padded
+# to a full chunk / 4^j (padded_columns): four shapes.
 _MIN_COLUMNS = 512
-_MAX_SHAPES = 3
+_MAX_SHAPES = 4
 
 
 def _kernel_shape(m: int) -> bool:
     return m >= _MIN_COLUMNS and m & (m - 1) == 0
+
+
+def padded_columns(k: int, m: int) -> int | None:
+    """The size to pad a subset of k of a full chunk's m columns to, so that the
+    subset runs as a kernel: m / 4^j, the smallest such of at least k and
+    _MIN_COLUMNS.  None when m itself gets no kernel (eager: no padding pays)."""
+    if not _kernel_shape(m) or compile_mode() == "never":
+        return None
+    p = m
+    while p // 4 >= max(k, _MIN_COLUMNS):
+        p //= 4
+    return p
 
 
 # One step is a few hundred point-wise nodes; Inductor's default cap on a
