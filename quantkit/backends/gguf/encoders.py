@@ -437,14 +437,13 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     # its groups to a size that has a kernel (measured, 2048x5632: the four
     # eager passes over ~20, 5, 1, 0.1 % of the groups took 6.7 ms per chunk,
     # against 2.0 ms for the whole first pass as a kernel).
-    m = x.shape[1] if x.device.type == "cpu" else 0
     act = None
     for _ in range(5):
         if act is None:
             xa, La, slx_a, sl2_a = x, L, sumlx, suml2
         else:
             k = act.numel()
-            p = padded_columns(k, m) or k
+            p = padded_columns(k, x) or k
             idx = act if p == k else torch.cat([act, act[:1].expand(p - k)])
             xa, La = x[:, idx], L[:, idx]
             slx_a, sl2_a = sumlx[idx], suml2[idx]

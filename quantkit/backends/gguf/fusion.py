@@ -100,11 +100,13 @@ def _kernel_shape(m: int) -> bool:
     return m >= _MIN_COLUMNS and m & (m - 1) == 0
 
 
-def padded_columns(k: int, m: int) -> int | None:
-    """The size to pad a subset of k of a full chunk's m columns to, so that the
-    subset runs as a kernel: m / 4^j, the smallest such of at least k and
-    _MIN_COLUMNS.  None when m itself gets no kernel (eager: no padding pays)."""
-    if not _kernel_shape(m) or compile_mode() == "never":
+def padded_columns(k: int, full: torch.Tensor) -> int | None:
+    """The size to pad a subset of k of a full chunk's m columns (full: (n, m)) to,
+    so that the subset runs as a kernel: m / 4^j, the smallest such of at least k
+    and _MIN_COLUMNS.  None when the full chunk itself gets no kernel (eager: no
+    padding pays)."""
+    m = full.shape[-1]
+    if full.device.type != "cpu" or not _kernel_shape(m) or compile_mode() == "never":
         return None
     p = m
     while p // 4 >= max(k, _MIN_COLUMNS):
