@@ -8,7 +8,10 @@ llama.cpp's side: its converter is taken from the llama-cpp-python sdist (downlo
 kept in the repo) and writes a BF16 GGUF (lossless for a bf16 checkpoint), then llama-quantize (through
 llama-cpp-python, threads = cores) makes each type. F16/BF16/F32 come straight from the converter.
 
-    python bench/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--models demo,synthetic] [--windows 40]
+Each row runs both tools `--repeats` times (default 3) in alternating order and reports the median wall time
+of each; the samples are kept in the JSON.
+
+    python bench/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--models demo,synthetic] [--windows 40] [--repeats 3]
 
 The driver imports no torch: each measured step runs in its own process, timed with os.wait4, so a child's
 peak RSS is its own (Linux carries ru_maxrss across fork + exec from a large parent).
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from statistics import median
 
 import measure  # bench/measure.py
 
@@ -166,43 +170,58 @@ def machine() -> str:
     return f"{cpu}, {THREADS} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
 
 
-def bench_model(label: str, src: Path, types: list[str], converter: Path, work: Path) -> list[dict]:
+def bench_model(label: str, src: Path, types: list[str], converter: Path, work: Path, repeats: int) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     conv_env = {"PYTHONPATH": str(converter.parent / "gguf-py")}
     bf16 = work / "llama-BF16.gguf"
-    bf16.unlink(missing_ok=True)
-    conv_wall, conv_rss = run([sys.executable, str(converter), str(src), "--outtype", "bf16", "--outfile", str(bf16)],
-                              env=conv_env)
-    for t in types:
-        qk_dir = work / "quantkit"
+    qk_dir = work / "quantkit"
+
+    def convert(outtype: str, out: Path) -> tuple[float, int]:
         # each tool writes a new file, as a user's run does: replacing a 2 GiB file from an earlier run
         # made ext4 flush the new one at the rename (measured: quantkit F32 5.5-9.5 s over an old file,
         # 4.4-4.9 s without one); each tool's old file is deleted just before its own run, so that
         # neither pays for freeing the other's
-        for old in qk_dir.glob(f"*-{t}.gguf"):
-            old.unlink()
+        out.unlink(missing_ok=True)
+        return run([sys.executable, str(converter), str(src), "--outtype", outtype, "--outfile", str(out)], env=conv_env)
+
+    # llama.cpp's quantized files start from its BF16 conversion, made once per row set: its time is the
+    # median of `repeats` runs, added to each quantize step
+    conv = [convert("bf16", bf16) for _ in range(repeats)]
+    conv_wall, conv_rss = median(w for w, _ in conv), max(r for _, r in conv)
+    for t in types:
+        ref = work / f"llama-{t}.gguf"
+
+        def quantkit() -> tuple[float, int]:
+            for old in qk_dir.glob(f"*-{t}.gguf"):
+                old.unlink()
+            return run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o", str(qk_dir),
+                        "--device", "cpu"])
+
+        def llama() -> tuple[float, int]:
+            if t in ("F16", "BF16", "F32"):
+                return convert(t.lower(), ref)
+            ref.unlink(missing_ok=True)
+            wall, rss = run([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)])
+            return conv_wall + wall, max(conv_rss, rss)
+
         before = kernels_built()
-        qk_wall, qk_rss = run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o",
-                               str(qk_dir), "--device", "cpu"])
+        qk_runs, ll_runs = [], []
+        for i in range(repeats):
+            # the tools take turns going first: on this VM a run's time depends on what the previous
+            # process left in the page cache, and a fixed order would hand one tool the same state each time
+            pair = [(quantkit, qk_runs), (llama, ll_runs)]
+            for step, runs in pair if i % 2 == 0 else pair[::-1]:
+                runs.append(step())
         new_kernels = kernels_built() - before
         qk_file = next(qk_dir.glob(f"*-{t}.gguf"))
-        ref = work / f"llama-{t}.gguf"
-        if t != "BF16":
-            ref.unlink(missing_ok=True)
-        if t in ("F16", "BF16", "F32"):
-            if t == "BF16":
-                ref, wall, rss = bf16, conv_wall, conv_rss
-            else:
-                wall, rss = run([sys.executable, str(converter), str(src), "--outtype", t.lower(), "--outfile", str(ref)],
-                                env=conv_env)
-            ref_wall, ref_rss = wall, rss
-        else:
-            q_wall, q_rss = run([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)])
-            ref_wall, ref_rss = conv_wall + q_wall, max(conv_rss, q_rss)
         cmp = json.loads(subprocess.run([sys.executable, "-c", COMPARE, str(qk_file), str(ref)], capture_output=True,
                                         text=True, check=True).stdout)
+        qk_wall, ref_wall = median(w for w, _ in qk_runs), median(w for w, _ in ll_runs)
+        qk_rss, ref_rss = max(r for _, r in qk_runs), max(r for _, r in ll_runs)
         row = {"model": label, "type": t, "quantkit_s": qk_wall, "llamacpp_s": ref_wall, "ratio": qk_wall / ref_wall,
+               "quantkit_runs_s": [round(w, 3) for w, _ in qk_runs],
+               "llamacpp_runs_s": [round(w, 3) for w, _ in ll_runs],
                "quantkit_rss": qk_rss, "llamacpp_rss": ref_rss, "rss_ratio": qk_rss / ref_rss,
                "identical": cmp["identical_tensors"] == cmp["tensors"] and cmp["same_types"],
                "identical_tensors": f"{cmp['identical_tensors']}/{cmp['tensors']}",
@@ -238,6 +257,7 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(ALL_TYPES))
     ap.add_argument("--models", default="demo,synthetic")
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each tool per row; the median is reported")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt")
     ap.add_argument("--out", default="gguf_vs_llamacpp")
     args = ap.parse_args()
@@ -249,25 +269,31 @@ def main() -> None:
                                capture_output=True, text=True, check=True).stdout.strip())
     result = {"benchmark": "gguf_vs_llamacpp", "date": dt.date.today().isoformat(), "machine": machine(),
               "llama_cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e57098)", "threads": THREADS,
-              "rows": [], "quality": {}}
+              "repeats": args.repeats, "rows": [], "quality": {}}
     syn = WORK / "synthetic-src"
     if not (syn / "model.safetensors").is_file():
         subprocess.run([sys.executable, "-c", MAKE_SYNTHETIC, str(demo), str(syn)], check=True)
     result["kernel_build"] = build_kernels(syn)
+    demo_rows = []
     if "demo" in args.models:
         result["notes"] = list(DEMO_NOTES)
-        rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, WORK / "demo")
-        result["rows"] += rows
-        if args.data.is_file():
-            proc = subprocess.run([sys.executable, "-c", EVAL, "demo:smollm2-135m", str(args.data),
-                                   str(args.windows)] + [r["quantkit_file"] for r in rows],
-                                  capture_output=True, text=True, check=True)
-            result["quality"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        demo_rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, WORK / "demo", args.repeats)
+        result["rows"] += demo_rows
     if "synthetic" in args.models:
         result["synthetic_bytes"] = (syn / "model.safetensors").stat().st_size
         result["rows"] += bench_model("synthetic llama (hidden 2048, 8 layers, bf16)", syn, types, converter,
-                                      WORK / "synthetic")
+                                      WORK / "synthetic", args.repeats)
+    # quality last: it is not timed, so nothing after it can be disturbed by what else runs on the machine
+    if demo_rows and args.data.is_file():
+        proc = subprocess.run([sys.executable, "-c", EVAL, "demo:smollm2-135m", str(args.data),
+                               str(args.windows)] + [r["quantkit_file"] for r in demo_rows],
+                              capture_output=True, text=True, check=True)
+        result["quality"] = json.loads(proc.stdout.strip().splitlines()[-1])
     write_results(result, args.out)
+
+
+def timing(median_s: float, runs: list[float] | None) -> str:
+    return f"{median_s:.1f}" + (f" ({min(runs):.1f}–{max(runs):.1f})" if runs and len(runs) > 1 else "")
 
 
 def write_results(result: dict, name: str) -> None:
@@ -281,11 +307,14 @@ def write_results(result: dict, name: str) -> None:
              f"Date {result['date']}. Machine: {result['machine']}. Reference: {result['llama_cpp']}, "
              f"{result['threads']} threads. Command: `python bench/gguf_vs_llamacpp.py`.\n",
              "Goal per type: quantkit wall time ≤ 1.0× llama.cpp's, identical tensor bytes, peak RSS ≤ llama.cpp's.\n",
+             f"Times are the median of {result.get('repeats', 1)} runs of each tool, the tools taking turns to go "
+             "first (the range of the runs in brackets); RSS is the highest of the runs.\n",
              "| model | type | quantkit s | llama.cpp s | time ratio | quantkit RSS GiB | llama.cpp RSS GiB | RSS ratio "
              "| identical tensors | file MiB (qk / llama) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['type']} | {r['quantkit_s']:.1f} | {r['llamacpp_s']:.1f} | "
+        lines.append(f"| {r['model']} | {r['type']} | {timing(r['quantkit_s'], r.get('quantkit_runs_s'))} | "
+                     f"{timing(r['llamacpp_s'], r.get('llamacpp_runs_s'))} | "
                      f"**{r['ratio']:.2f}** | {gib(r['quantkit_rss'])} | {gib(r['llamacpp_rss'])} | {r['rss_ratio']:.2f} | "
                      f"{'yes' if r['identical'] else 'no'} ({r['identical_tensors']}) | "
                      f"{r['quantkit_size'] / 2**20:.1f} / {r['llamacpp_size'] / 2**20:.1f} |")
