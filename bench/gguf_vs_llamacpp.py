@@ -26,6 +26,7 @@ import platform
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import median
 
@@ -48,6 +49,16 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     # quantkit's F32 file took 9.2 s right after another 2 GiB write, 5.9-6.3 s after a sync)
     os.sync()
     return measure.run(cmd, WORK / "last_command.log", env)
+
+
+def run_fresh(cmd: list[str], old_outputs: Iterable[Path], env: dict | None = None) -> tuple[float, int]:
+    # each tool writes a new file, as a user's run does: replacing a 2 GiB file from an earlier run
+    # made ext4 flush the new one at the rename (measured: quantkit F32 5.5-9.5 s over an old file,
+    # 4.4-4.9 s without one); each tool's old file is deleted just before its own run, so that
+    # neither pays for freeing the other's
+    for old in list(old_outputs):
+        old.unlink(missing_ok=True)
+    return run(cmd, env)
 
 
 def kernels_built() -> int:
@@ -178,12 +189,8 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, work: 
     qk_dir = work / "quantkit"
 
     def convert(outtype: str, out: Path) -> tuple[float, int]:
-        # each tool writes a new file, as a user's run does: replacing a 2 GiB file from an earlier run
-        # made ext4 flush the new one at the rename (measured: quantkit F32 5.5-9.5 s over an old file,
-        # 4.4-4.9 s without one); each tool's old file is deleted just before its own run, so that
-        # neither pays for freeing the other's
-        out.unlink(missing_ok=True)
-        return run([sys.executable, str(converter), str(src), "--outtype", outtype, "--outfile", str(out)], env=conv_env)
+        return run_fresh([sys.executable, str(converter), str(src), "--outtype", outtype, "--outfile", str(out)],
+                         [out], env=conv_env)
 
     # llama.cpp's quantized files start from its BF16 conversion, made once per row set: its time is the
     # median of `repeats` runs, added to each quantize step
@@ -193,16 +200,14 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, work: 
         ref = work / f"llama-{t}.gguf"
 
         def quantkit() -> tuple[float, int]:
-            for old in qk_dir.glob(f"*-{t}.gguf"):
-                old.unlink()
-            return run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o", str(qk_dir),
-                        "--device", "cpu"])
+            return run_fresh([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o",
+                              str(qk_dir), "--device", "cpu"], qk_dir.glob(f"*-{t}.gguf"))
 
         def llama() -> tuple[float, int]:
             if t in ("F16", "BF16", "F32"):
                 return convert(t.lower(), ref)
-            ref.unlink(missing_ok=True)
-            wall, rss = run([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)])
+            wall, rss = run_fresh([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)],
+                                  [ref])
             return conv_wall + wall, max(conv_rss, rss)
 
         before = kernels_built()
