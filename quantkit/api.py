@@ -92,29 +92,33 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
 
 
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
-    model = open_model(spec)
+    parsed = _parse_formats(formats)
     options = {**(options or {}), "estimate_time": True}
-    return [b.plan(model, v, Path(out), options) for b, _, v in _parse_formats(formats)]
+    settings = _settings(parsed, options)
+    model = open_model(spec)
+    return [b.plan(model, v, Path(out), settings[b.name]) for b, _, v in parsed]
 
 
 def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | None = None,
             progress: Progress = null_progress) -> list[Path]:
-    parsed = _parse_formats(formats)  # reject bad formats before touching the model
-    model = open_model(spec)
+    parsed = _parse_formats(formats)  # reject bad formats and options before touching the model
     options = options or {}
+    settings = _settings(parsed, options)
+    model = open_model(spec)
     groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
     for backend, _, variant in parsed:
         items = groups.setdefault(backend.name, (backend, []))[1]
-        items.append((variant, backend.plan(model, variant, Path(out), options)))
+        items.append((variant, backend.plan(model, variant, Path(out), settings[backend.name])))
     calibrated = [(b, v, p) for b, items in groups.values() if b.calibrated for v, p in items]
-    if options.get("imatrix") and "gguf" not in groups:
-        raise UsageError("--imatrix weights GGUF quantization; add -f gguf:TYPE, or drop --imatrix")
-    written, imatrix = [], None
-    if calibrated or options.get("imatrix"):
-        written, imatrix = _convert_calibrated(model, calibrated, options, progress)
-    for backend, items in groups.values():
+    collected = {name: b.pass_jobs(model, items, settings[name]) for name, (b, items) in groups.items()
+                 if not b.calibrated}
+    written: list[Path] = []
+    if calibrated or any(collected.values()):
+        written = _convert_calibrated(model, calibrated, settings, [j for js in collected.values() for j in js],
+                                      options, progress)
+    for name, (backend, items) in groups.items():
         if not backend.calibrated:
-            written += backend.write_all(model, items, Path(out), {**options, **(imatrix or {})}, progress)
+            written += backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
     return written
 
 
@@ -129,34 +133,45 @@ def calibration_spec(options: dict, formats: list[str]):
                            seed=int(options.get("seed") or 0), column=options.get("calib_column"))
 
 
-def _convert_calibrated(model, items, options: dict, progress: Progress) -> tuple[list[Path], dict | None]:
-    """Every calibrated artifact of the run from one capture pass over the model; with --imatrix the same
-    pass also collects the importance matrix the uncalibrated formats (GGUF) then use."""
+def _settings(parsed, options: dict) -> dict:
+    """Each format's typed settings, parsed once; an option owned by a format that is not in the run is refused
+    rather than silently ignored."""
+    in_run = {b.name: b for b, _, _ in parsed}
+    for backend in registered_backends().values():
+        if backend.name in in_run:
+            continue
+        for key, what in backend.owned_options.items():
+            if options.get(key) not in (None, False, [], ()):
+                flag = "--" + key.replace("_", "-")
+                raise UsageError(f"{flag} {what} ({backend.name} option); add -f {backend.name}:VARIANT, or drop {flag}")
+    return {name: b.settings(options) for name, b in in_run.items()}
+
+
+def _convert_calibrated(model, items, settings: dict, collectors: list, options: dict,
+                        progress: Progress) -> list[Path]:
+    """Every calibrated artifact of the run, and what uncalibrated formats collect (GGUF's importance matrix),
+    from one capture pass over the model."""
     from contextlib import ExitStack
     from .artifact import atomic_folder
     from .calibration import load_calibration
     from .calibration.capture import run_capture
-    from .calibration.imatrix import ImatrixCollector
     device = resolve_device(options.get("device"))
-    calibrated_names = [f"{b.name}:{p.variant}" for b, v, p in items if b.needs_calibration(v, options)]
-    if options.get("imatrix"):
-        calibrated_names.append("--imatrix")
+    calibrated_names = [f"{b.name}:{p.variant}" for b, v, p in items if b.needs_calibration(v, settings[b.name])]
+    calibrated_names += [c.label for c in collectors]
     calibration = None
     if calibrated_names:
         spec = calibration_spec(options, calibrated_names)
         calibration = load_calibration(spec, model, device=device, progress=progress)
-    collector = ImatrixCollector(model, device) if options.get("imatrix") else None
     with ExitStack() as stack:
         jobs = []
         try:
             for backend, variant, plan in items:
                 folder = stack.enter_context(atomic_folder(Path(plan.output)))
-                job = backend.make_job(model, variant, plan, folder, options, calibration)
+                job = backend.make_job(model, variant, plan, folder, settings[backend.name], calibration)
                 job.open()
                 jobs.append(job)
             run_capture(model, calibration.tokens if calibration is not None else None,
-                        [j for j in jobs if j.needs_calibration] + ([collector] if collector else []),
-                        device=device, progress=progress)
+                        [j for j in jobs if j.needs_calibration] + collectors, device=device, progress=progress)
             plain = [j for j in jobs if not j.needs_calibration]
             for job in plain:
                 job.run_uncalibrated(progress.task(f"{job.label} layers", total=model.num_layers))
@@ -166,11 +181,7 @@ def _convert_calibrated(model, items, options: dict, progress: Progress) -> tupl
             for job in jobs:
                 job.abort()
             raise
-    imatrix = None
-    if collector is not None:
-        imatrix = {"imatrix_data": collector.result(),
-                   "imatrix_info": {"dataset": calibration.spec.source, "chunks": calibration.tokens.shape[0]}}
-    return [Path(p.output) for _, _, p in items], imatrix
+    return [Path(p.output) for _, _, p in items]
 
 
 def _parse_formats(formats: list[str]):

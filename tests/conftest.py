@@ -47,7 +47,10 @@ def make_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
 
 def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layers=2, heads=4, kv_heads=2,
                     intermediate=128, vocab=64, tie=False, dtype=torch.bfloat16, seed=0,
-                    max_shard_size=None, tokenizer=True, bpe=False, weight_std=0.3, **extra) -> Path:
+                    max_shard_size=None, tokenizer=True, bpe=False, weight_std=0.3, train_steps=0, **extra) -> Path:
+    """A random model of `model_type` saved with transformers itself.  `train_steps` > 0 first fits it to
+    TINY_TEXT (needs a tokenizer): a model with decisive predictions, like a real one, so that comparisons of
+    top-1 agreement between two runtimes measure the runtimes rather than near-ties of random logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -60,12 +63,32 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
             if p.dim() > 1:
                 p.normal_(0, weight_std)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(folder), **kw)
     if bpe:
         make_bpe_tokenizer(folder, vocab)
     elif tokenizer:
         make_tokenizer(folder)
+    if train_steps:
+        _fit_to_tiny_text(model, folder, train_steps, seed)
+    model.save_pretrained(str(folder), **kw)
     return folder
+
+
+def _fit_to_tiny_text(model, folder: Path, steps: int, seed: int) -> None:
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(str(folder))(TINY_TEXT, add_special_tokens=False)["input_ids"]
+    data = torch.tensor(ids)
+    dtype = next(model.parameters()).dtype
+    model.float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
+        batch = torch.stack([data[s:s + 64] for s in starts])
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().to(dtype)
 
 
 @pytest.fixture(scope="session")

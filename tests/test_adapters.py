@@ -13,15 +13,15 @@ def test_adapter_names_every_layer_tensor(tmp_path, model_type):
     model = Checkpoint(folder)
     assert model.adapter is adapter_for(model_type)
     in_file = {n[len("model.layers.0."):] for n in model.weights.names() if n.startswith("model.layers.0.")}
-    assert set(model.adapter.layer_tensor_names()) == in_file
+    for i in range(model.num_layers):
+        assert set(model.block(i).tensor_names()) == in_file
 
 
-def test_input_groups_are_true_sequential():
-    a = adapter_for("llama")
-    assert [g.linears for g in a.input_groups] == [
+def test_input_groups_are_true_sequential(tmp_path):
+    model = Checkpoint(make_checkpoint(tmp_path / "m", tokenizer=False))
+    assert [g.linears for g in model.block(0).groups] == [
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
         ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
-    assert [g.norm for g in a.input_groups] == ["input_layernorm", None, "post_attention_layernorm", None]
 
 
 def test_unknown_architecture_lists_supported():

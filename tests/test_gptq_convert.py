@@ -8,10 +8,8 @@ import torch
 from conftest import TINY_TEXT, make_checkpoint, run_cli
 from quantkit import api
 from quantkit.backends.gptq.reader import GPTQCheckpoint
-from quantkit.calibration.capture import run_capture
 from quantkit.eval.harness import evaluate
 from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.decoder import decoder_layer, rope_tables
 from quantkit.model.safetensors_reader import SafetensorsCheckpoint
 from quantkit.calibration.stats import HessianAccumulator
 
@@ -53,46 +51,6 @@ def test_folder_has_what_transformers_gptqmodel_and_vllm_read(tiny_gguf_source, 
     assert info["calibration"]["samples"] == 4 and len(info["calibration"]["token_hash"]) == 64
     assert len(info["layers"]) == 2 * 4 and all(x["damp"] >= 0.01 for x in info["layers"])
     assert set(info["files"]) == {"model.safetensors"}
-
-
-class Recorder:
-    """A LayerQuantizer that records what it observes and swaps in scaled weights (to see them propagate)."""
-    label = "recorder"
-
-    def __init__(self, factor):
-        self.factor, self.seen = factor, {}
-
-    def observe(self, layer, group, x):
-        self.seen.setdefault((layer, group.linears), []).append(x.clone())
-
-    def quantize_group(self, layer, group, weights):
-        return {f"{n}.weight": weights[f"{n}.weight"].float() * self.factor for n in group.linears}
-
-    def finish_layer(self, layer, source):
-        pass
-
-
-def test_staged_pass_sees_what_the_plain_decoder_sees_with_earlier_groups_replaced(tiny_gguf_source):
-    """Each group's inputs must be those of a layer whose earlier groups are already quantized."""
-    model = Checkpoint(tiny_gguf_source)
-    tokens = torch.randint(0, 300, (3, 16))
-    rec = Recorder(0.9)
-    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
-    cfg, adapter = model.config, model.adapter
-    rope = rope_tables(cfg, 16, "cpu")
-    h = model.embed_weight()[tokens].float()
-    names = {"attn_in": 0, "attn_out": 1, "mlp_in": 2, "mlp_out": 3}
-    for i in range(model.num_layers):
-        w = {k: v.float() for k, v in model.layer(i).items()}
-        for stage, group in enumerate(adapter.input_groups):
-            seen = {}
-            decoder_layer(h, w, cfg, adapter, rope, hooks=lambda n, x: seen.setdefault(n, x.reshape(-1, x.shape[-1])))
-            key = [k for k, v in names.items() if v == stage][0]
-            got = torch.cat(rec.seen[(i, group.linears)])
-            assert torch.allclose(got, seen[key], atol=1e-4), (i, key)
-            for lin in group.linears:
-                w[f"{lin}.weight"] = w[f"{lin}.weight"] * 0.9
-        h = decoder_layer(h, w, cfg, adapter, rope)
 
 
 def test_several_artifacts_in_one_pass_equal_each_made_alone(tiny_gguf_source, calib_text, tmp_path):

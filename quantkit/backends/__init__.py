@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QuantkitError, UsageError
+from ..options import RunOptions
 
 ENTRY_POINT_GROUP = "quantkit.backends"
 # Formats the project plans; listed in messages so a user knows what exists and what is coming.
@@ -57,12 +58,27 @@ class Plan:
 class Backend:
     """The contract every format implements.
 
+    The run's options reach a format once, through `settings`, which parses the options it owns
+    (`owned_options`) and the shared `RunOptions` into its own typed settings; every other method gets those.
+
     A format that quantizes from calibration statistics sets `calibrated = True` and, instead of
-    `write_all`, implements `needs_calibration` and `make_job`: the job is its `LayerQuantizer` in the shared
-    capture pass (quantkit.calibration.capture) and writes its artifact into the folder it is given."""
+    `write_all`, implements `needs_calibration` and `make_job`: the job is an `ArtifactJob`
+    (quantkit.calibration.jobs) in the shared capture pass and writes its artifact into the folder it is given.
+    An uncalibrated format may still want something from the pass (GGUF's importance matrix): `pass_jobs`
+    returns those participants, and `write_all` gets them back as `collected` once the pass is over."""
     name: str = ""
     summary: str = ""
     calibrated: bool = False
+    # option key -> what it does; setting one without this format in the run is a usage error
+    owned_options: dict[str, str] = {}
+
+    def settings(self, options: dict) -> Any:
+        """This format's typed settings for a run, from the options dict (raise UsageError for bad values)."""
+        return RunOptions.from_dict(options)
+
+    def pass_jobs(self, model, items: list[tuple[Any, "Plan"]], settings) -> list:
+        """Participants (LayerJob) this uncalibrated format adds to the capture pass; [] for none."""
+        return []
 
     def variants(self) -> list[str]:
         """Spec strings this format accepts after the colon (for help and error messages)."""
@@ -72,20 +88,20 @@ class Backend:
         """Validate a spec string; raise UsageError naming the valid choices."""
         raise NotImplementedError
 
-    def plan(self, model, variant, out_dir: Path, options: dict) -> Plan:
+    def plan(self, model, variant, out_dir: Path, settings) -> Plan:
         raise NotImplementedError
 
-    def write_all(self, model, items: list[tuple[Any, Plan]], out_dir: Path, options: dict, progress) -> list[Path]:
+    def write_all(self, model, items: list[tuple[Any, Plan]], out_dir: Path, settings, progress,
+                  collected: list | None = None) -> list[Path]:
         """Write one artifact per (variant, plan) from one read of the model; return their paths.
-        Must never leave a partial artifact behind."""
+        `collected`: this format's `pass_jobs`, after the pass.  Must never leave a partial artifact behind."""
         raise NotImplementedError
 
-    def needs_calibration(self, variant, options: dict) -> bool:
+    def needs_calibration(self, variant, settings) -> bool:
         return False
 
-    def make_job(self, model, variant, plan: Plan, folder: Path, options: dict, calibration):
-        """A job with open(), observe/quantize_group/finish_layer (the LayerQuantizer protocol),
-        run_uncalibrated(task), needs_calibration, finish() -> Path and abort()."""
+    def make_job(self, model, variant, plan: Plan, folder: Path, settings, calibration):
+        """The variant's `ArtifactJob` (quantkit.calibration.jobs), writing into `folder`."""
         raise NotImplementedError
 
     def can_read(self, path: Path) -> bool:

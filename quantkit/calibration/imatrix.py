@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import torch
 
+from .jobs import PassJob
 from .stats import SquareMeanAccumulator
 
 
-class ImatrixCollector:
+class ImatrixCollector(PassJob):
     label = "importance matrix"
-    needs_calibration = True
 
     def __init__(self, model, device: torch.device):
         self.model, self.device = model, device
         self.stats: dict[str, SquareMeanAccumulator] = {}
+        self.chunks = 0   # calibration samples seen (llama-imatrix's "chunks")
 
-    def observe(self, layer: int, group, x: torch.Tensor) -> None:
-        prefix = self.model.adapter.prefix(layer)
+    def observe(self, ctx, group, x: torch.Tensor) -> None:
+        prefix = self.model.adapter.prefix(ctx.layer)
         key = prefix + group.linears[0]
         acc = self.stats.get(key)
         if acc is None:
@@ -28,11 +29,8 @@ class ImatrixCollector:
                 self.stats[prefix + lin] = acc
         acc.add(x)
 
-    def quantize_group(self, layer: int, group, weights: dict) -> dict:
-        return {}
-
-    def finish_layer(self, layer: int, source: dict) -> None:
-        pass
+    def finish_layer(self, ctx) -> None:
+        self.chunks = ctx.stream.shape[0]
 
     def result(self) -> dict[str, torch.Tensor]:
         """HF weight name -> importance vector (in_features,) float32 on the CPU."""

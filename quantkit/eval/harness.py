@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..errors import DataError, UsageError
-from ..model.decoder import decoder_layer, rms_norm, rope_tables
+from ..model.engine import Runtime, apply_norm, embed, run_block, softcap
 from ..progress import Progress, null_progress
 
 
@@ -26,6 +26,8 @@ class DenseModel(Protocol):
     adapter: object
     num_layers: int
 
+    def block(self, i: int): ...   # layer i's block description (quantkit.model.block.Block)
+    pieces: object                   # ModelPieces: embedding scale, final norm, softcap
     def embed_weight(self) -> torch.Tensor: ...
     def layer(self, i: int) -> dict[str, torch.Tensor]: ...
     def final_norm_weight(self) -> torch.Tensor: ...
@@ -70,23 +72,22 @@ def load_windows(tokenizer, data: Path, ctx: int, windows: int) -> torch.Tensor:
 def final_hidden_states(model: DenseModel, tokens: torch.Tensor, *, device="cpu", dtype=torch.float32,
                         batch: int = 8, progress: Progress = null_progress, label: str = "") -> torch.Tensor:
     """Run every window through the model layer by layer; return the final-norm hidden states."""
-    cfg, adapter = model.config, model.adapter
-    emb = model.embed_weight()
-    h = emb[tokens].to(dtype)  # (windows, ctx, hidden) on the CPU; moved per batch
-    del emb
-    rope = rope_tables(cfg, tokens.shape[1], device, dtype)
+    pieces = model.pieces
+    h = embed(model, tokens, dtype)  # (windows, ctx, hidden) on the CPU; moved per batch
+    rt = Runtime(tokens.shape[1], device, dtype)
     task = progress.task(f"{label} layers", total=model.num_layers)
     runtime_acts = getattr(model, "activation_fns", None)  # set when emulating a runtime's arithmetic
     for i in range(model.num_layers):
         w = {k: v.to(device) for k, v in model.layer(i).items()}
-        acts = runtime_acts(i) if runtime_acts else None
+        layer_rt = rt.with_acts(runtime_acts(i)) if runtime_acts else rt
+        block = model.block(i)
         for s in range(0, h.shape[0], batch):
             chunk = h[s:s + batch].to(device)
-            h[s:s + batch] = decoder_layer(chunk, w, cfg, adapter, rope, acts=acts).to(h.device)
+            h[s:s + batch] = run_block(block, chunk, w, layer_rt).to(h.device)
         del w
         task.advance()
     task.done()
-    return rms_norm(h, model.final_norm_weight().to(dtype), cfg.rms_norm_eps)
+    return apply_norm(pieces.final_norm, h, {f"{pieces.final_norm.weight}.weight": model.final_norm_weight()})
 
 
 class Scores:
@@ -124,9 +125,10 @@ def window_logits(model: DenseModel, tokens: torch.Tensor, *, device="cpu", dtyp
     h = final_hidden_states(model, tokens, device=device, dtype=dtype, progress=progress, label=model.name)
     head = model.lm_head_weight().to(device, dtype)
     head_act = getattr(model, "head_activation_fn", None)
+    cap = model.pieces.logit_softcap
     for wi in range(tokens.shape[0]):
         x = h[wi].to(device)
-        yield (head_act(x) if head_act else x) @ head.T
+        yield softcap((head_act(x) if head_act else x) @ head.T, cap)
 
 
 @torch.no_grad()

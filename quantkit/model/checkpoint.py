@@ -9,6 +9,7 @@ import torch
 
 from ..errors import DependencyError, SourceError
 from .adapters import ArchAdapter, adapter_for
+from .block import Block, ModelPieces
 from .config import ModelConfig, read_config_json
 from .safetensors_reader import SafetensorsCheckpoint
 
@@ -26,11 +27,27 @@ def load_tokenizer(folder: Path):
         raise SourceError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
 
 
-class ModelFolder:
+class Described:
+    """A model with an adapter and a config, whatever stores its weights: its layers as block descriptions."""
+    adapter: ArchAdapter
+    config: ModelConfig
+
+    def block(self, i: int) -> Block:
+        """Layer i as a block description (what the engine runs and the formats store)."""
+        cache = self.__dict__.setdefault("_blocks", {})
+        if i not in cache:
+            cache[i] = self.adapter.describe_layer(self.config, i)
+        return cache[i]
+
+    @cached_property
+    def pieces(self) -> ModelPieces:
+        return self.adapter.model_pieces(self.config)
+
+
+class ModelFolder(Described):
     """What every model folder quantkit reads shares: an adapter naming the tensors, safetensors `weights`,
     and the tensors outside the decoder layers (a base for source checkpoints and quantized artifacts)."""
     folder: Path
-    adapter: ArchAdapter
     weights: SafetensorsCheckpoint
 
     @property
@@ -70,8 +87,8 @@ class Checkpoint(ModelFolder):
 
     def _check_layout(self) -> None:
         missing = [n for n in (self.adapter.embed, self.adapter.final_norm) if n not in self.weights]
-        missing += [self.adapter.prefix(0) + n for n in self.adapter.layer_tensor_names()
-                    if self.adapter.prefix(0) + n not in self.weights]
+        missing += [self.adapter.prefix(i) + n for i in range(self.num_layers) for n in self.block(i).tensor_names()
+                    if self.adapter.prefix(i) + n not in self.weights]
         if not self.tied_embeddings and self.adapter.lm_head not in self.weights:
             missing.append(self.adapter.lm_head)
         if missing:
@@ -102,7 +119,7 @@ class Checkpoint(ModelFolder):
         if not 0 <= i < self.num_layers:
             raise IndexError(i)
         prefix = self.adapter.prefix(i)
-        return {n: self.weights.get(prefix + n) for n in self.adapter.layer_tensor_names()}
+        return {n: self.weights.get(prefix + n) for n in self.block(i).tensor_names()}
 
     def iter_layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         for i in range(self.num_layers):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -11,10 +12,10 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
-from ...calibration.spec import calibration_size
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
+from ...options import RunOptions
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
@@ -26,9 +27,33 @@ def output_name(model: Checkpoint, file_type: str) -> str:
     return f"{model_stem(model.name)}-{file_type}.gguf"
 
 
+@dataclass(frozen=True)
+class GGUFSettings:
+    run: RunOptions
+    overrides: tuple[tuple[str, str], ...] = ()   # --tensor-type REGEX=TYPE, in order
+    pure: bool = False
+    tokenizer_pre: str | None = None
+    imatrix: bool = False                          # collect an importance matrix in the calibration pass
+
+
 class GGUFBackend(Backend):
     name = "gguf"
     summary = "llama.cpp GGUF v3: legacy, K-quant and IQ4 types, llama-quantize mixtures"
+    owned_options = {"tensor_type": "per-tensor GGUF types", "pure": "GGUF without mixture rules",
+                     "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization"}
+
+    def settings(self, options: dict) -> GGUFSettings:
+        return GGUFSettings(run=RunOptions.from_dict(options),
+                            overrides=tuple(_split_override(o) for o in options.get("tensor_type") or ()),
+                            pure=bool(options.get("pure")), tokenizer_pre=options.get("tokenizer_pre"),
+                            imatrix=bool(options.get("imatrix")))
+
+    def pass_jobs(self, model, items, settings: GGUFSettings) -> list:
+        """The importance matrix, when asked for: llama-imatrix's statistics from the shared capture pass."""
+        if not settings.imatrix:
+            return []
+        from ...calibration.imatrix import ImatrixCollector
+        return [ImatrixCollector(model, resolve_device(settings.run.device))]
 
     def variants(self) -> list[str]:
         return list(mixtures.FILE_TYPES)
@@ -39,15 +64,15 @@ class GGUFBackend(Backend):
         except ValueError as e:
             raise UsageError(str(e)) from None
 
-    def plan(self, model: Checkpoint, variant: mixtures.FileTypeSpec, out_dir: Path, options: dict) -> Plan:
+    def plan(self, model: Checkpoint, variant: mixtures.FileTypeSpec, out_dir: Path, settings: GGUFSettings) -> Plan:
         tensors = gguf_tensors(model)
         cfg = model.config
+        overrides = list(settings.overrides)
         try:
-            overrides = [_split_override(o) for o in options.get("tensor_type") or ()]
             choices = mixtures.plan_types([(t.name, t.ne) for t in tensors], variant.name,
                                           n_layer=cfg.num_layers, n_head=cfg.num_heads, n_head_kv=cfg.num_kv_heads,
                                           tied_embeddings=model.tied_embeddings, overrides=overrides,
-                                          pure=bool(options.get("pure")))
+                                          pure=settings.pure)
         except ValueError as e:
             raise UsageError(str(e)) from None
         _refuse_impossible_overrides(tensors, overrides)
@@ -59,15 +84,13 @@ class GGUFBackend(Backend):
         plan = Plan("gguf", variant.name, str(path), rows)
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
-        device = resolve_device(options.get("device"))
-        if options.get("imatrix"):
-            samples, seqlen = calibration_size(options)
-            plan.extra["importance matrix"] = f"from the calibration pass over {options.get('calib')} " \
-                                              f"({samples} × {seqlen} tokens)"
+        device = resolve_device(settings.run.device)
+        if settings.imatrix:
+            plan.extra["importance matrix"] = f"from the calibration pass over {settings.run.calibration_text()}"
         fused_n = sum(int(np.prod(r.shape)) for r in rows
                       if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
-        if options.get("estimate_time"):      # a dry run: timing the encoders costs a second or two
+        if settings.run.estimate_time:      # a dry run: timing the encoders costs a second or two
             plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}" + (
                 " at eager speed; the built kernels run the K-quants 2-4x faster" if compiled else "")
         if device.type == "cpu":
@@ -79,13 +102,17 @@ class GGUFBackend(Backend):
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,
-                  options: dict, progress: Progress = null_progress) -> list[Path]:
+                  settings: GGUFSettings, progress: Progress = null_progress, collected: list | None = None) -> list[Path]:
         tensors = gguf_tensors(model)
+        imatrix = imatrix_info = None
+        for collector in collected or ():
+            imatrix = collector.result()
+            imatrix_info = {"dataset": settings.run.calib, "chunks": collector.chunks}
         jobs = [FileJob(Path(plan.output), int(spec.file_type),
                         {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
-        return write_files(model, tensors, jobs, name=model_base_name(model.name), device=resolve_device(options.get("device")),
-                           tokenizer_pre=options.get("tokenizer_pre"), progress=progress,
-                           imatrix=options.get("imatrix_data"), imatrix_info=options.get("imatrix_info"))
+        return write_files(model, tensors, jobs, name=model_base_name(model.name),
+                           device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
+                           progress=progress, imatrix=imatrix, imatrix_info=imatrix_info)
 
     def can_read(self, path: Path) -> bool:
         if not Path(path).is_file():

@@ -31,7 +31,10 @@ PRE_BY_HASH = {
 
 
 def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
-    cfg = model.config
+    """The hyper-parameter keys llama.cpp's converter writes for this model's architecture (checked against
+    convert_hf_to_gguf.py in the tests)."""
+    cfg, arch = model.config, model.adapter.gguf_arch
+    attn = model.block(0).residuals[0].op
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -40,17 +43,51 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_heads or "head_dim" in cfg.raw:
+    if arch == "gemma2":   # llama.cpp's gemma2 knows its RoPE; the softcaps and window are keys
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
-    w.add_vocab_size(cfg.vocab_size)
+        w.add_attn_logit_softcapping(float(cfg.raw.get("attn_logit_softcapping") or 0.0))
+        w.add_final_logit_softcapping(float(cfg.raw.get("final_logit_softcapping") or 0.0))
+        w.add_sliding_window(int(cfg.raw["sliding_window"]))
+    else:
+        ropes = model.adapter.rope_by_layer_type(cfg) if model.adapter.rope_by_layer_type else {}
+        _add_rope(w, ropes.get("full_attention", attn.rope))
+        if arch == "llama":
+            w.add_rope_dimension_count(cfg.head_dim)
+        if arch == "gemma3":
+            if "sliding_attention" in (cfg.raw.get("rope_parameters") or {}):   # as the converter: only when listed
+                w.add_rope_freq_base_swa(ropes["sliding_attention"].theta)
+            if cfg.raw.get("final_logit_softcapping"):
+                w.add_final_logit_softcapping(float(cfg.raw["final_logit_softcapping"]))
+            if cfg.raw.get("sliding_window_pattern") != 1 and cfg.raw.get("sliding_window"):
+                w.add_sliding_window(int(cfg.raw["sliding_window"]))
+        if cfg.head_dim != cfg.hidden_size // cfg.num_heads or "head_dim" in cfg.raw:
+            w.add_key_length(cfg.head_dim)
+            w.add_value_length(cfg.head_dim)
+        if arch == "llama":
+            w.add_vocab_size(cfg.vocab_size)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _add_rope(w: gguf.GGUFWriter, rope) -> None:
+    w.add_rope_freq_base(rope.theta)
+    p = rope.param
+    if rope.kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(p("factor")))
+    elif rope.kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(p("factor")))
+        w.add_rope_scaling_orig_ctx_len(int(p("original_max_position_embeddings")))
+        for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                         ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if p(key) is not None:
+                add(float(p(key)))
+    elif rope.kind == "longrope":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
 
 
 def add_tokenizer(w: gguf.GGUFWriter, model: Checkpoint, pre_override: str | None = None) -> None:

@@ -10,10 +10,11 @@ import torch
 
 from ...errors import SourceError, UnsupportedArchitectureError, UsageError
 from ...model.adapters import adapter_for
+from ...model.checkpoint import Described
 from ...model.config import ModelConfig
 from . import encoders
 from .activations import activation_fn
-from .tensors import ARCHES, unpermute_qk
+from .tensors import ARCHES, NORM_SHIFT, unpermute_qk
 
 _KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
          "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
@@ -38,7 +39,30 @@ def field_value(reader: gguf.GGUFReader, key: str):
     return f.contents()
 
 
-class GGUFModel:
+# the transformers model_type of a GGUF architecture where the names differ
+MODEL_TYPE = {"gemma3": "gemma3_text"}
+
+
+def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict) -> dict:
+    """The config keys a family's block description reads, as llama.cpp interprets the file: Gemma's softcaps
+    and window, its query scale (llama.cpp: 1/sqrt(head size)) and Gemma 3's per-layer-type RoPE."""
+    get = lambda key: field_value(reader, f"{arch}.{key}")
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    extra = {"query_pre_attn_scalar": raw["head_dim"], "sliding_window": get("attention.sliding_window"),
+             "final_logit_softcapping": get("final_logit_softcapping") or None}
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = get("attn_logit_softcapping") or None
+        return extra
+    full = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
+    if get("rope.scaling.type") == "linear":
+        full = {"rope_type": "linear", "factor": get("rope.scaling.factor"), "rope_theta": raw["rope_theta"]}
+    extra["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+        "rope_type": "default", "rope_theta": get("rope.freq_base_swa") or 10000.0}}
+    return extra
+
+
+class GGUFModel(Described):
     """A GGUF file seen as a dense model (weights dequantized one layer at a time)."""
 
     def __init__(self, path: Path, base=None, activations: str = "exact"):
@@ -53,22 +77,24 @@ class GGUFModel:
         if arch not in ARCHES:
             raise UnsupportedArchitectureError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                                f"supported: {', '.join(ARCHES)}")
-        self.adapter = adapter_for(arch)
+        self.adapter = adapter_for(MODEL_TYPE.get(arch, arch))
         kv = {k: field_value(self.reader, f"{arch}.{k}") for k in _KEYS}
         if kv["embedding_length"] is None or kv["block_count"] is None:
             raise SourceError(f"{path}: missing {arch} hyper-parameters")
         self.tensors = {t.name: t for t in self.reader.tensors}
         n_vocab = int(self.tensors["token_embd.weight"].shape[1])
         heads = kv["attention.head_count"]
-        raw = {"model_type": arch, "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
+        raw = {"model_type": MODEL_TYPE.get(arch, arch), "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
                "num_attention_heads": heads, "num_key_value_heads": kv["attention.head_count_kv"] or heads,
                "head_dim": kv["attention.key_length"] or kv["rope.dimension_count"] or kv["embedding_length"] // heads,
                "intermediate_size": kv["feed_forward_length"], "vocab_size": n_vocab,
                "rms_norm_eps": kv["attention.layer_norm_rms_epsilon"], "rope_theta": kv["rope.freq_base"] or 10000.0,
                "tie_word_embeddings": "output.weight" not in self.tensors,
                "max_position_embeddings": kv["context_length"] or 2048}
-        if "rope_freqs.weight" in self.tensors:
-            raise UnsupportedArchitectureError(f"{path}: llama3 rope frequency factors are not supported by the reader yet")
+        raw.update(_arch_config(self.reader, arch, raw))
+        if "rope_freqs.weight" in self.tensors:   # llama3 scaling, stored as one divisor per frequency
+            factors = self.gguf_tensor("rope_freqs.weight").flatten().tolist()
+            raw["rope_parameters"] = {"rope_type": "factors", "factors": factors, "rope_theta": raw["rope_theta"]}
         self.config = ModelConfig.from_dict(raw, where=str(path))
         self.num_layers = self.config.num_layers
         self._names = gguf.get_tensor_name_map(ARCHES[arch], self.num_layers)
@@ -96,6 +122,9 @@ class GGUFModel:
     def _hf(self, hf_name: str) -> torch.Tensor:
         gname = self._names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         w = self.gguf_tensor(gname)
+        shift = NORM_SHIFT.get(self.adapter.gguf_arch, 0.0)
+        if shift and hf_name.endswith("norm.weight"):
+            w = w - shift
         if self.adapter.gguf_permute_qk:
             if ".q_proj." in hf_name:
                 w = unpermute_qk(w, self.config.num_heads)
@@ -112,7 +141,7 @@ class GGUFModel:
             return None
         prefix = self.adapter.prefix(i)
         return {lin: self._act(self._names.get_name(prefix + lin + ".weight", try_suffixes=(".weight",)))
-                for lin in self.adapter.linears}
+                for lin in self.block(i).linears}
 
     @property
     def head_activation_fn(self):
@@ -122,13 +151,13 @@ class GGUFModel:
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
-        return {n: self._hf(prefix + n) for n in self.adapter.layer_tensor_names()}
+        return {n: self._hf(prefix + n) for n in self.block(i).tensor_names()}
 
     def embed_weight(self) -> torch.Tensor:
         return self.gguf_tensor("token_embd.weight")
 
     def final_norm_weight(self) -> torch.Tensor:
-        return self.gguf_tensor("output_norm.weight")
+        return self.gguf_tensor("output_norm.weight") - NORM_SHIFT.get(self.adapter.gguf_arch, 0.0)
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.gguf_tensor("output.weight" if "output.weight" in self.tensors else "token_embd.weight")

@@ -1,6 +1,7 @@
 """Which GGUF tensors a checkpoint becomes: names, GGUF shapes, write order, and the llama Q/K row order."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import gguf
@@ -8,9 +9,14 @@ import torch
 
 from ...errors import UnsupportedArchitectureError
 from ...model.checkpoint import Checkpoint
-from ...model.decoder import rope_base_inv_freq, rope_inv_freq
+from ...model.rope import base_inv_freq
 
-ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+# llama.cpp's own conventions per architecture (facts of its convert_hf_to_gguf.py): Gemma stores `1 + w` norms
+# with the 1 added, and llama.cpp's gemma2 always ties the output head to the embedding.
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+TIED_ONLY = {"gemma2"}
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,7 @@ class GGUFTensor:
     source: str | None    # HF tensor name it is made from (None: generated, e.g. rope_freqs)
     shape: tuple[int, ...]  # torch order (rows, row_length); GGUF ne is the reverse
     permute_heads: int = 0  # > 0: llama q/k rows reordered for this many heads
+    shift: float = 0.0      # added to every value (Gemma's norms: llama.cpp multiplies by w, HF by 1 + w)
 
     @property
     def ne(self) -> tuple[int, ...]:
@@ -51,6 +58,9 @@ def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
             continue
         if hf_name == adapter.lm_head and model.tied_embeddings:
             continue
+        if hf_name == adapter.lm_head and adapter.gguf_arch in TIED_ONLY:
+            raise UnsupportedArchitectureError(f"{hf_name}: llama.cpp's {adapter.gguf_arch} reads the output head from "
+                                               f"the embedding, and this checkpoint's head is a separate tensor")
         name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UnsupportedArchitectureError(f"tensor {hf_name} has no GGUF name for {adapter.gguf_arch}")
@@ -59,8 +69,9 @@ def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
             heads = cfg.num_heads
         elif adapter.gguf_permute_qk and hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             heads = cfg.num_kv_heads
-        out.append(GGUFTensor(name, hf_name, tuple(entry.shape), heads))
-    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3":
+        shift = NORM_SHIFT.get(adapter.gguf_arch, 0.0) if hf_name.endswith("norm.weight") else 0.0
+        out.append(GGUFTensor(name, hf_name, tuple(entry.shape), heads, shift))
+    if model.block(0).residuals[0].op.rope.kind == "llama3":
         # llama.cpp has no llama3 rope metadata; the per-frequency factors travel as a tensor.
         out.append(GGUFTensor("rope_freqs.weight", None, (cfg.head_dim // 2,)))
     by_name = {t.name: t for t in out}
@@ -85,10 +96,26 @@ def load_source(model: Checkpoint, t: GGUFTensor) -> torch.Tensor:
     in the checkpoint's own dtype: the encoders widen them to float32 chunk by
     chunk, so the largest tensor is never held twice, once at double width."""
     if t.source is None:  # rope_freqs: factor by which llama3 scaling divides each frequency
-        return (rope_base_inv_freq(model.config) / rope_inv_freq(model.config)).float()
+        return llama3_rope_factors(model.block(0).residuals[0].op.rope)
     w = model.tensor(t.source)
     if not w.is_floating_point():
         w = w.float()
+    if t.shift:  # in float32: llama.cpp's converter adds in the checkpoint's dtype, rounding 1 + w to bf16
+        w = w.float() + t.shift
     if t.permute_heads:
         w = permute_qk(w, t.permute_heads)
     return w
+
+
+def llama3_rope_factors(rope) -> torch.Tensor:
+    """Per frequency, the factor llama3 scaling divides it by, computed as llama.cpp's converter does (in float32,
+    from the wavelength), so the tensor's bytes are the converter's."""
+    p = rope.param
+    factor, low, high = float(p("factor")), float(p("low_freq_factor")), float(p("high_freq_factor"))
+    old = float(p("original_max_position_embeddings"))
+    wavelen = 2 * math.pi / base_inv_freq(rope)
+    smooth = (old / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < old / high, torch.ones_like(wavelen), torch.where(wavelen > old / low,
+                                                                                  torch.full_like(wavelen, factor), blend))
+    return out.float()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,9 +11,9 @@ import torch
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_stem
 from ...calibration.capture import batch_for, default_compute_dtype
-from ...calibration.spec import calibration_size
 from ...device import resolve_device
 from ...model.checkpoint import Checkpoint
+from ...options import RunOptions
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings
 from .job import GPTQJob
@@ -23,8 +24,19 @@ FLAG_KEYS = {"act_order": "act_order", "static_groups": "static_groups", "group_
              "damp_step": "damp_step", "mse": "mse_grid", "gptq_block_size": "block_size"}
 
 
-def flags_from_options(options: dict) -> dict:
-    return {field: options.get(key) for key, field in FLAG_KEYS.items()}
+FLAG_HELP = {"act_order": "GPTQ act-order", "static_groups": "GPTQ static groups", "group_aware": "GPTQ's visiting order",
+             "sym": "GPTQ symmetric grids", "damp": "GPTQ dampening", "damp_step": "GPTQ dampening steps",
+             "mse": "GPTQ's grid search", "gptq_block_size": "GPTQ's lazy-batch block"}
+
+
+@dataclass(frozen=True)
+class GPTQRunSettings:
+    run: RunOptions
+    flags: tuple[tuple[str, object], ...] = ()   # GPTQSettings field -> value, for what the spec string leaves out
+
+    def resolve(self, variant: gptq_spec.GPTQVariant) -> tuple[GPTQSettings, bool]:
+        """(settings, round-to-nearest) of one variant under these flags."""
+        return variant.settings(dict(self.flags))
 
 
 def describe_settings(s: GPTQSettings, rtn: bool) -> str:
@@ -59,6 +71,11 @@ class GPTQBackend(Backend):
     name = "gptq"
     summary = "GPTQ (2/3/4/8-bit, groups, act-order, sym/asym) for transformers + GPTQModel, vLLM, exllamav2"
     calibrated = True
+    owned_options = FLAG_HELP
+
+    def settings(self, options: dict) -> GPTQRunSettings:
+        return GPTQRunSettings(RunOptions.from_dict(options),
+                               tuple((field, options.get(key)) for key, field in FLAG_KEYS.items()))
 
     def variants(self) -> list[str]:
         return list(gptq_spec.EXAMPLES)
@@ -66,11 +83,12 @@ class GPTQBackend(Backend):
     def parse_variant(self, text: str) -> gptq_spec.GPTQVariant:
         return gptq_spec.parse(text)
 
-    def needs_calibration(self, variant: gptq_spec.GPTQVariant, options: dict) -> bool:
-        return not variant.settings(flags_from_options(options))[1]
+    def needs_calibration(self, variant: gptq_spec.GPTQVariant, settings: GPTQRunSettings) -> bool:
+        return not settings.resolve(variant)[1]
 
-    def plan(self, model: Checkpoint, variant: gptq_spec.GPTQVariant, out_dir: Path, options: dict) -> Plan:
-        s, rtn = variant.settings(flags_from_options(options))
+    def plan(self, model: Checkpoint, variant: gptq_spec.GPTQVariant, out_dir: Path, settings: GPTQRunSettings) -> Plan:
+        s, rtn = settings.resolve(variant)
+        run = settings.run
         notes = consumer_notes(model, s)  # raises for shapes GPTQ cannot store
         kind = describe_settings(s, rtn)
         rows: list[PlanRow] = []
@@ -89,11 +107,10 @@ class GPTQBackend(Backend):
             else:
                 rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
         plan = Plan("gptq", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
-        device = resolve_device(options.get("device"))
-        samples, seqlen = calibration_size(options)
+        device = resolve_device(run.device)
+        samples, seqlen = run.calib_samples, run.calib_seqlen
         if not rtn:
-            plan.extra["calibration"] = f"{options.get('calib') or '(none given: --calib is required)'}, " \
-                                        f"{samples} × {seqlen} tokens, seed {options.get('seed') or 0}"
+            plan.extra["calibration"] = run.calibration_text()
         plan.extra["peak memory (estimate)"] = _memory_estimate(model, samples, seqlen, rtn)
         plan.extra["time (estimate)"] = f"{_time_estimate(model, samples * seqlen, rtn, device):.0f} s on {device}"
         plan.extra["settings"] = json.dumps({k: v for k, v in s.__dict__.items()})
@@ -102,11 +119,11 @@ class GPTQBackend(Backend):
         return plan
 
     def make_job(self, model: Checkpoint, variant: gptq_spec.GPTQVariant, plan: Plan, folder: Path,
-                 options: dict, calibration) -> GPTQJob:
-        s, rtn = variant.settings(flags_from_options(options))
-        return GPTQJob(model, s, variant.text, folder, rtn=rtn, device=resolve_device(options.get("device")),
+                 settings: GPTQRunSettings, calibration) -> GPTQJob:
+        s, rtn = settings.resolve(variant)
+        return GPTQJob(model, s, variant.text, folder, rtn=rtn, device=resolve_device(settings.run.device),
                        calibration=None if rtn else calibration, notes=consumer_notes(model, s),
-                       max_shard_bytes=int(options.get("max_shard_bytes") or 4 << 30))
+                       max_shard_bytes=settings.run.max_shard_bytes)
 
     def can_read(self, path: Path) -> bool:
         p = Path(path)

@@ -19,8 +19,10 @@ import torch
 
 from ... import __version__
 from ...artifact import sha256_file
+from ...calibration.context import LayerContext
+from ...calibration.jobs import PassJob
 from ...calibration.stats import HessianAccumulator
-from ...model.adapters.base import InputGroup
+from ...model.block import InputGroup
 from ...model.safetensors_writer import ShardedSafetensorsWriter
 from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
 from .layout import checkpoint_specs, model_linears
@@ -44,7 +46,7 @@ def quantization_config(s: GPTQSettings) -> dict:
     }
 
 
-class GPTQJob:
+class GPTQJob(PassJob):
     """Quantizes and writes one GPTQ checkpoint into `folder` (a .partial-* folder the caller renames)."""
 
     def __init__(self, model, settings: GPTQSettings, variant: str, folder: Path, *, rtn: bool = False,
@@ -69,16 +71,17 @@ class GPTQJob:
         adapter = self.model.adapter
         self.writer.put(adapter.embed, self.model.tensor(adapter.embed))
 
-    # --- LayerQuantizer ------------------------------------------------------------------
-    def observe(self, layer: int, group: InputGroup, x: torch.Tensor) -> None:
+    # --- LayerJob ---------------------------------------------------------------------------
+    def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
         acc = self.stats.get(group.linears)
         if acc is None:
             acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
         acc.add(x)
 
-    def quantize_group(self, layer: int, group: InputGroup, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
         # Linears that read the same input share H, and GPTQ treats output rows independently, so one
         # stacked run quantizes q/k/v (or gate/up) exactly as three separate runs would, at a third of the cost.
+        layer, weights = ctx.layer, ctx.source
         names = [f"{lin}.weight" for lin in group.linears]
         stacked = torch.cat([weights[n].to(self.device, torch.float32) for n in names])
         if self.rtn:
@@ -97,10 +100,11 @@ class GPTQJob:
             row += n
         return out
 
-    def finish_layer(self, layer: int, source: dict[str, torch.Tensor]) -> None:
+    def finish_layer(self, ctx: LayerContext) -> None:
         """Norms as they are; biases of quantized linears in float16 (as GPTQ kernels take them)."""
-        prefix = self.model.adapter.prefix(layer)
-        for rel, t in source.items():
+        prefix = self.model.adapter.prefix(ctx.layer)
+        for rel in ctx.source:
+            t = ctx.stored(rel)
             full = prefix + rel
             base, _, leaf = full.rpartition(".")
             if base not in self.linears:
@@ -111,10 +115,11 @@ class GPTQJob:
     # --- without calibration (round to nearest) -------------------------------------------
     def run_uncalibrated(self, progress_task=None) -> None:
         for i in range(self.model.num_layers):
-            source = self.model.layer(i)
-            for group in self.model.adapter.input_groups:
-                self.quantize_group(i, group, source)
-            self.finish_layer(i, source)
+            block = self.model.block(i)
+            ctx = LayerContext(i, block, self.model.layer(i))
+            for group in block.groups:
+                self.quantize_group(ctx, group)
+            self.finish_layer(ctx)
             if progress_task is not None:
                 progress_task.advance()
 

@@ -64,7 +64,7 @@ def model_linears(model) -> list[list[LinearShape]]:
     for i in range(model.num_layers):
         prefix = adapter.prefix(i)
         row = []
-        for lin in adapter.linears:
+        for lin in model.block(i).linears:
             e = weights.entries[f"{prefix}{lin}.weight"]
             row.append(LinearShape(f"{prefix}{lin}", e.shape[1], e.shape[0], f"{prefix}{lin}.bias" in weights))
         layers.append(row)
@@ -86,7 +86,7 @@ def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
             specs += quantized_specs(lin, s)
             quantized.add(lin.name)
         prefix = adapter.prefix(i)
-        for rel in adapter.layer_tensor_names():
+        for rel in model.block(i).tensor_names():
             base = (prefix + rel).rsplit(".", 1)[0]
             if base not in quantized:  # norms (q/k norms too)
                 specs.append(plain(prefix + rel))

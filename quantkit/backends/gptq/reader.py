@@ -71,9 +71,10 @@ class GPTQCheckpoint(ModelFolder):
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
+        block = self.block(i)
         out = {}
-        for rel in self.adapter.layer_tensor_names():
-            if rel.endswith(".weight") and rel[:-len(".weight")] in self.adapter.linears:
+        for rel in block.tensor_names():
+            if rel.endswith(".weight") and rel[:-len(".weight")] in block.linears:
                 out[rel] = self.linear_weight(prefix + rel[:-len(".weight")])
             else:
                 out[rel] = self.weights.get(prefix + rel)

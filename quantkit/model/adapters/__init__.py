@@ -1,16 +1,19 @@
-"""Architecture adapters: what one decoder layer of a model family is made of.
+"""Architecture adapters: one module per model family, each building an `ArchAdapter` whose
+`describe_layer(config, i)` writes layer i down as a block description (quantkit.model.block).
 
-Adding a family means adding one module here that builds an `ArchAdapter` and
-listing it in `_FAMILIES`.
+Adding a family means adding one module here and listing it in `_FAMILIES` (docs/adding-a-family.md).
 """
 from __future__ import annotations
 
 from ...errors import UnsupportedArchitectureError
-from .base import ArchAdapter, InputGroup
-from . import llama, qwen
+from ..block import InputGroup
+from .base import ArchAdapter
+from . import gemma2, gemma3, llama, mistral, qwen2, qwen3
 
-_FAMILIES: list[ArchAdapter] = [llama.ADAPTER, qwen.QWEN2, qwen.QWEN3]
+_FAMILIES: list[ArchAdapter] = [llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, qwen3.ADAPTER, gemma2.ADAPTER,
+                                gemma3.ADAPTER]
 _BY_TYPE = {t: a for a in _FAMILIES for t in a.model_types}
+GUIDE = "docs/adding-a-family.md"
 
 
 def supported_model_types() -> list[str]:
@@ -22,8 +25,8 @@ def adapter_for(model_type: str) -> ArchAdapter:
         return _BY_TYPE[model_type]
     except KeyError:
         raise UnsupportedArchitectureError(
-            f"architecture {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
-        ) from None
+            f"architecture {model_type!r} is not supported; supported: {', '.join(supported_model_types())} "
+            f"(adding one: {GUIDE})") from None
 
 
 __all__ = ["ArchAdapter", "InputGroup", "adapter_for", "supported_model_types"]

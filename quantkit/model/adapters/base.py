@@ -1,46 +1,42 @@
-"""The shape of an architecture adapter."""
+"""The shape of an architecture adapter: the tensors outside the layers, and a function that describes
+layer i of a config as a `Block` (quantkit.model.block)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class InputGroup:
-    """Linears that read the same input; `norm` is the RMSNorm applied just before them (or None)."""
-    norm: str | None
-    linears: tuple[str, ...]
+from ..block import Block, ModelPieces, Norm
+from ..config import ModelConfig
 
 
 @dataclass(frozen=True)
 class ArchAdapter:
     family: str
     model_types: tuple[str, ...]
-    # Names relative to the layer prefix, in true-sequential order (q/k/v -> o -> gate/up -> down).
-    input_groups: tuple[InputGroup, ...]
-    norms: tuple[str, ...]
-    qkv_bias: bool = False
-    qk_norm: bool = False
+    # layer i of a model with this config, as data; the engine runs it, formats read its linears
+    describe_layer: Callable[[ModelConfig, int], Block]
     layer_prefix: str = "model.layers.{i}."
     embed: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
     lm_head: str = "lm_head.weight"
+    # Gemma: embeddings × √hidden, norms scale by 1 + w; a final logit softcap is read from this config key
+    embed_scale: bool = False
+    unit_offset_norms: bool = False
+    logit_softcap_key: str | None = None
+    # families whose layer types use different RoPEs (Gemma 3): config -> {"full_attention": Rope, ...}
+    rope_by_layer_type: Callable[[ModelConfig], dict] | None = None
     # Name of the GGUF / llama.cpp architecture this family converts to.
     gguf_arch: str = "llama"
     # Only llama.cpp's "llama" arch permutes q/k rows (HF's rotate-half -> GGML's interleaved RoPE).
     gguf_permute_qk: bool = True
 
-    @property
-    def linears(self) -> tuple[str, ...]:
-        return tuple(name for g in self.input_groups for name in g.linears)
-
-    def layer_tensor_names(self) -> list[str]:
-        names = [f"{lin}.weight" for lin in self.linears]
-        if self.qkv_bias:
-            names += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
-        if self.qk_norm:
-            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        names += [f"{n}.weight" for n in self.norms]
-        return names
-
     def prefix(self, i: int) -> str:
         return self.layer_prefix.format(i=i)
+
+    def model_pieces(self, cfg: ModelConfig) -> ModelPieces:
+        cap = cfg.raw.get(self.logit_softcap_key) if self.logit_softcap_key else None
+        return ModelPieces(embed=self.embed, lm_head=self.lm_head,
+                           final_norm=Norm(self.final_norm.removesuffix(".weight"), cfg.rms_norm_eps,
+                                           self.unit_offset_norms),
+                           embed_scale=cfg.hidden_size ** 0.5 if self.embed_scale else None,
+                           logit_softcap=float(cap) if cap else None)

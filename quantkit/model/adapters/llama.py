@@ -1,14 +1,45 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM and other models that share the llama layout."""
-from .base import ArchAdapter, InputGroup
+"""Llama family: Llama 2/3/3.1+, SmolLM and other models that share the llama layout — the block every
+other dense family here varies on (`llama_block`'s keyword arguments are those variations)."""
+from ..block import Attention, Block, GatedMLP, Norm, Residual, Rope
+from ..config import ModelConfig
+from .base import ArchAdapter
 
-ATTN_IN = InputGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
-ATTN_OUT = InputGroup(None, ("self_attn.o_proj",))
-MLP_IN = InputGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
-MLP_OUT = InputGroup(None, ("mlp.down_proj",))
 
-ADAPTER = ArchAdapter(
-    family="llama",
-    model_types=("llama", "mistral"),
-    input_groups=(ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT),
-    norms=("input_layernorm", "post_attention_layernorm"),
-)
+def rope_of(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> Rope:
+    scaling = cfg.rope_scaling if scaling is None else scaling
+    dim = int(cfg.head_dim * float(cfg.raw.get("partial_rotary_factor") or 1.0))
+    return Rope(theta=float(theta or cfg.rope_theta), dim=dim,
+                scaling=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (scaling or {}).items())),
+                max_positions=cfg.max_position_embeddings)
+
+
+def llama_block(cfg: ModelConfig, *, qkv_bias: bool = False, o_bias: bool = False, q_norm: bool = False, window: int | None = None,
+                rope: Rope | None = None, act: str = "silu", mlp_prefix: str = "mlp") -> Block:
+    eps = cfg.rms_norm_eps
+    attn = Attention(
+        q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope=rope or rope_of(cfg),
+        qkv_bias=qkv_bias, o_bias=o_bias,
+        q_norm=Norm("self_attn.q_norm", eps) if q_norm else None,
+        k_norm=Norm("self_attn.k_norm", eps) if q_norm else None, window=window)
+    mlp = GatedMLP(f"{mlp_prefix}.gate_proj", f"{mlp_prefix}.up_proj", f"{mlp_prefix}.down_proj", act)
+    return Block((Residual(Norm("input_layernorm", eps), attn, name="attention"),
+                  Residual(Norm("post_attention_layernorm", eps), mlp, name="mlp")))
+
+
+def sliding_window(cfg: ModelConfig, i: int) -> int | None:
+    """The window of layer i: from `layer_types` where the config lists them (transformers ≥ 4.54), else the
+    family's `sliding_window` for every layer (None = full attention)."""
+    types = cfg.raw.get("layer_types")
+    window = cfg.raw.get("sliding_window")
+    if types:
+        return int(window) if types[i] == "sliding_attention" and window else None
+    return int(window) if window else None
+
+
+def _layer(cfg: ModelConfig, i: int) -> Block:
+    bias = bool(cfg.raw.get("attention_bias"))   # Llama configs may put biases on q/k/v/o
+    return llama_block(cfg, qkv_bias=bias, o_bias=bias)
+
+
+ADAPTER = ArchAdapter(family="llama", model_types=("llama",), describe_layer=_layer)

@@ -1,0 +1,241 @@
+"""The block description and its engine, held to transformers: every family's forward, the inputs the capture
+pass hands each group (with earlier groups replaced), and the layer context's abilities (re-run a sub-block,
+fold a scale into the producer of an input, passes)."""
+import pytest
+import torch
+
+from conftest import make_checkpoint, run_cli
+from quantkit.calibration.capture import run_capture
+from quantkit.calibration.jobs import ArtifactJob, LayerJob, PassJob
+from quantkit.eval.harness import window_logits
+from quantkit.model.adapters import supported_model_types
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.engine import Runtime, run_block
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# (model_type, config extras): several layers; sliding/global alternation where the family has it
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama-bias": ("llama", {"attention_bias": True}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    "llama-yarn": ("llama", {"rope_parameters": YARN}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}}),
+}
+
+
+def family_checkpoint(tmp_path, key, **kw):
+    model_type, extra = FAMILIES[key]
+    return make_checkpoint(tmp_path / key, model_type=model_type, layers=3, tokenizer=False, dtype=torch.float32,
+                           **{**extra, **kw})
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_every_supported_type_has_a_forward_test():
+    assert {FAMILIES[k][0] for k in FAMILIES} == set(supported_model_types())
+
+
+@pytest.mark.parametrize("key", list(FAMILIES))
+def test_forward_matches_transformers(tmp_path, key):
+    folder = family_checkpoint(tmp_path, key)
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (4, 80), generator=torch.Generator().manual_seed(0))  # 320 tokens
+    ours = torch.stack(list(window_logits(model, tokens)))
+    with torch.no_grad():
+        ref = hf_model(folder)(tokens).logits
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+class Recorder(PassJob):
+    """Records what it observes and swaps in scaled weights, to see them propagate."""
+    label = "recorder"
+
+    def __init__(self, factor):
+        self.factor, self.seen = factor, {}
+
+    def observe(self, ctx, group, x):
+        self.seen.setdefault((ctx.layer, group.linears), []).append(x.clone())
+
+    def quantize_group(self, ctx, group):
+        return {f"{n}.weight": ctx.source[f"{n}.weight"].float() * self.factor for n in group.linears}
+
+
+def hf_group_inputs(hf, tokens, layer, linear):
+    """What a forward pre-hook on transformers' own module records as that linear's input."""
+    module = hf.get_submodule(f"model.layers.{layer}.{linear}")
+    seen = []
+    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        hf(tokens)
+    handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("key", ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3"])
+def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_replaced(tmp_path, key):
+    """Each group's inputs are those of the transformers model whose earlier groups (this layer's and every
+    earlier layer's) already carry the job's weights."""
+    folder = family_checkpoint(tmp_path, key)
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(1))
+    rec = Recorder(0.9)
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    hf = hf_model(folder)
+    for i in range(model.num_layers):
+        for group in model.block(i).groups:
+            expected = hf_group_inputs(hf, tokens, i, group.linears[0])
+            got = torch.cat(rec.seen[(i, group.linears)])
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"{i} {group.linears}")
+            with torch.no_grad():
+                for lin in group.linears:
+                    hf.get_submodule(f"model.layers.{i}.{lin}").weight.mul_(0.9)
+
+
+class Folder(PassJob):
+    """An AWQ-style job: folds a per-channel scale into each group's producer and keeps the scaled weights."""
+    label = "folder"
+
+    def __init__(self, scales_for):
+        self.scales_for, self.outputs, self.reran = scales_for, [], []
+
+    def quantize_group(self, ctx, group):
+        if ctx.layer == 0 and group.producer_kind != "linear":
+            before = ctx.run(group)
+            scale = self.scales_for(ctx.source[f"{group.linears[0]}.weight"].shape[1])
+            weights = ctx.fold(group, scale)
+            self.reran.append(torch.equal(ctx.run(group, overrides=weights), before))
+            return weights
+        if ctx.layer == 0 and group.linears == ("mlp.down_proj",):
+            scale = self.scales_for(ctx.source["mlp.down_proj.weight"].shape[1])
+            return ctx.fold(group, scale)   # into up_proj's rows
+        return {}
+
+    def finish_layer(self, ctx):
+        self.outputs.append(ctx.stream.clone())
+
+
+def test_a_scale_folded_into_the_producer_leaves_the_layer_output_unchanged(tmp_path):
+    model = Checkpoint(family_checkpoint(tmp_path, "qwen2"))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    powers_of_two = lambda n: 2.0 ** torch.randint(-3, 4, (n,), generator=gen).float()
+    plain, folded = Folder(lambda n: torch.ones(n)), Folder(powers_of_two)
+    run_capture(model, tokens, [plain, folded], device=torch.device("cpu"), compute_dtype=torch.float32)
+    assert folded.reran == [True, True]                       # re-running the sub-block sees the same output
+    for a, b in zip(plain.outputs, folded.outputs):
+        assert torch.equal(a, b)
+
+
+def test_fold_scales_the_norm_and_the_linears_inversely(tmp_path):
+    from quantkit.calibration.context import LayerContext
+    model = Checkpoint(family_checkpoint(tmp_path, "llama"))
+    block, source = model.block(0), model.layer(0)
+    ctx = LayerContext(0, block, source)
+    qkv = block.groups[0]
+    s = torch.full((64,), 2.0)
+    weights = ctx.fold(qkv, s)
+    assert torch.equal(ctx.replaced["input_layernorm.weight"], source["input_layernorm.weight"] / 2)
+    assert torch.equal(weights["self_attn.q_proj.weight"], source["self_attn.q_proj.weight"] * 2)
+    assert ctx.stored("self_attn.k_proj.weight") is weights["self_attn.k_proj.weight"]
+    o = block.groups[1]
+    with pytest.raises(Exception, match="grouped-query"):   # v has 2 kv heads, o reads 4 heads
+        ctx.fold(o, torch.ones(64))
+
+
+class TwoPass(PassJob):
+    label = "two-pass"
+    passes = 2
+
+    def __init__(self):
+        self.events = []
+
+    def observe(self, ctx, group, x):
+        self.events.append(("observe", ctx.pass_index, ctx.layer))
+
+    def quantize_group(self, ctx, group):
+        self.events.append(("quantize", ctx.pass_index, ctx.layer))
+        return {} if ctx.pass_index == 0 else {f"{n}.weight": ctx.source[f"{n}.weight"] * 0 for n in group.linears}
+
+    def end_pass(self, index):
+        self.events.append(("end", index, None))
+
+
+def test_a_two_pass_job_sees_every_layer_before_quantizing_anything(tmp_path):
+    model = Checkpoint(family_checkpoint(tmp_path, "llama"))
+    tokens = torch.randint(0, 64, (2, 16))
+    job, one = TwoPass(), Recorder(1.0)
+    run_capture(model, tokens, [job, one], device=torch.device("cpu"), compute_dtype=torch.float32)
+    first_end = job.events.index(("end", 0, None))
+    assert {e[2] for e in job.events[:first_end]} == set(range(model.num_layers))
+    assert all(e[1] == 0 for e in job.events[:first_end]) and all(e[1] == 1 for e in job.events[first_end + 1:-1])
+    assert job.events[-1] == ("end", 1, None)
+    # the one-pass job ran once, next to pass 0
+    assert len(one.seen) == model.num_layers * 4
+
+
+def test_jobs_follow_the_typed_protocol(tmp_path, tiny_gguf_source):
+    from quantkit.backends.gptq.job import GPTQJob
+    from quantkit.backends.gptq.algorithm import GPTQSettings
+    from quantkit.calibration.imatrix import ImatrixCollector
+    model = Checkpoint(tiny_gguf_source)
+    assert isinstance(ImatrixCollector(model, torch.device("cpu")), LayerJob)
+    job = GPTQJob(model, GPTQSettings(), "4bit", tmp_path / "x", device=torch.device("cpu"))
+    assert isinstance(job, ArtifactJob)
+
+
+def test_block_lists_every_layer_tensor_and_the_groups_producers(tmp_path):
+    model = Checkpoint(family_checkpoint(tmp_path, "qwen3"))
+    block = model.block(0)
+    in_file = {n[len("model.layers.0."):] for n in model.weights.names() if n.startswith("model.layers.0.")}
+    assert set(block.tensor_names()) == in_file
+    assert [(g.linears, g.producer, g.producer_kind) for g in block.groups] == [
+        (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "norm"),
+        (("self_attn.o_proj",), "self_attn.v_proj", "linear"),
+        (("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", "norm"),
+        (("mlp.down_proj",), "mlp.up_proj", "linear")]
+
+
+def test_sliding_window_follows_the_layer_pattern(tmp_path):
+    model = Checkpoint(family_checkpoint(tmp_path, "qwen2-window"))
+    windows = [model.block(i).residuals[0].op.window for i in range(3)]
+    assert windows == [None, 8, 8]
+
+
+def test_unknown_architecture_is_exit_4_naming_the_families_and_the_guide(tmp_path):
+    folder = make_checkpoint(tmp_path / "gpt2", model_type="llama", tokenizer=False)
+    import json
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "falcon_mamba"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("inspect", str(folder))
+    assert r.returncode == 4
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "falcon_mamba" in lines[0] and "docs/adding-a-family.md" in lines[0]
+    for t in supported_model_types():
+        assert t in lines[0]
+
+
+def test_runtime_rope_tables_are_shared_between_layers(tmp_path):
+    model = Checkpoint(family_checkpoint(tmp_path, "llama"))
+    rt = Runtime(16, "cpu")
+    h = torch.randn(1, 16, 64)
+    for i in range(3):
+        h = run_block(model.block(i), h, {k: v for k, v in model.layer(i).items()}, rt)
+    assert len(rt._rope) == 1
