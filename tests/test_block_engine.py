@@ -34,6 +34,13 @@ FAMILIES = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "phi3-longrope-partial": ("phi3", {"pad_token_id": 0,
+                                       "original_max_position_embeddings": 32, "rope_parameters": {
+                                           "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                           "long_factor": [2.0 + 0.5 * i for i in range(6)]}}),
+    "phi3-window": ("phi3", {"pad_token_id": 0, "sliding_window": 8}),
 }
 
 
@@ -88,7 +95,7 @@ def hf_group_inputs(hf, tokens, layer, linear):
     return seen[0]
 
 
-@pytest.mark.parametrize("key", ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("key", ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3-window"])
 def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_replaced(tmp_path, key):
     """Each group's inputs are those of the transformers model whose earlier groups (this layer's and every
     earlier layer's) already carry the job's weights."""
@@ -98,14 +105,16 @@ def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_rep
     rec = Recorder(0.9)
     run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
     hf = hf_model(folder)
+    # transformers' module of a linear: itself, or the joined one it is a part of (Phi-3's qkv_proj)
+    module_of = lambda lin: model.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
     for i in range(model.num_layers):
         for group in model.block(i).groups:
-            expected = hf_group_inputs(hf, tokens, i, group.linears[0])
+            expected = hf_group_inputs(hf, tokens, i, module_of(group.linears[0]))
             got = torch.cat(rec.seen[(i, group.linears)])
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"{i} {group.linears}")
             with torch.no_grad():
-                for lin in group.linears:
-                    hf.get_submodule(f"model.layers.{i}.{lin}").weight.mul_(0.9)
+                for name in {module_of(lin) for lin in group.linears}:
+                    hf.get_submodule(f"model.layers.{i}.{name}").weight.mul_(0.9)
 
 
 class Folder(PassJob):

@@ -34,6 +34,10 @@ FAMILIES = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "phi3-longrope": ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.05 * i for i in range(24)], "long_factor": [1.5 + 0.1 * i for i in range(24)]}}),
 }
 CTX = 64
 
@@ -48,7 +52,9 @@ def family_source(tmp_path_factory):
         if key not in _SOURCES:
             model_type, extra = FAMILIES[key]
             extra = dict(extra)
-            _SOURCES[key] = make_checkpoint(tmp_path_factory.mktemp("families") / key, model_type=model_type,
+            # the folder names the model: llama.cpp gives models *named* phi3 the special tokens of Phi-3's
+            # tokenizer, which the tiny one lacks
+            _SOURCES[key] = make_checkpoint(tmp_path_factory.mktemp("families") / "tiny", model_type=model_type,
                                             hidden=256, intermediate=512, heads=4, kv_heads=2,
                                             layers=extra.pop("layers", 2), tie=extra.pop("tie", False), vocab=320,
                                             bpe=True, weight_std=0.03,
@@ -129,7 +135,7 @@ def test_f16_and_q4_k_m_run_in_llama_cpp_as_quantkit_reads_them(tmp_path, family
             assert ppl_theirs == pytest.approx(evaluate(mine, tokens).perplexity, rel=0.005)
 
 
-@pytest.mark.parametrize("key", ["gemma2", "gemma3", "llama", "llama3-rope"])
+@pytest.mark.parametrize("key", ["gemma2", "gemma3", "llama", "llama3-rope", "phi3", "phi3-longrope"])
 def test_quantkit_reads_its_f32_file_as_the_source(tmp_path, family_source, key):
     """The reader undoes what the writer did (Gemma's +1 norms, the tied head, llama's q/k order)."""
     src = family_source(key)

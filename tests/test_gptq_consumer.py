@@ -58,3 +58,34 @@ def test_demo_4bit_g128_loads_in_transformers_and_agrees(tmp_path):
     tokens = load_windows(GPTQCheckpoint(folders[0]).tokenizer, WIKI_TEST, 512, 4)
     for folder in folders:
         assert _agreement(folder, tokens) >= 0.995, folder.name
+
+
+# every dense family, on a tiny model fitted to TINY_TEXT (decisive predictions, like a real model's)
+DENSE = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": 16}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 64}),
+    "gemma2": ("gemma2", {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16, "tie": True,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": ("gemma3_text", {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(DENSE))
+def test_every_dense_family_loads_in_transformers_and_agrees(tmp_path, key):
+    from conftest import TINY_TEXT, make_checkpoint
+    model_type, extra = DENSE[key]
+    extra = dict(extra)
+    src = make_checkpoint(tmp_path / key, model_type=model_type, hidden=256, intermediate=512, heads=4, kv_heads=2,
+                          layers=2, vocab=320, bpe=True, weight_std=0.03, tie=extra.pop("tie", False),
+                          train_steps=30, **extra)
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_TEXT * 3)
+    (folder,) = api.convert(str(src), ["gptq:4bit-g64"], tmp_path / "out",
+                            options={"calib": str(text), "calib_samples": 8, "calib_seqlen": 64, "device": "cpu"})
+    tokens = load_windows(GPTQCheckpoint(folder).tokenizer, text, 64, 4)
+    assert _agreement(folder, tokens) >= 0.995, key

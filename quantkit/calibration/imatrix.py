@@ -33,5 +33,12 @@ class ImatrixCollector(PassJob):
         self.chunks = ctx.stream.shape[0]
 
     def result(self) -> dict[str, torch.Tensor]:
-        """HF weight name -> importance vector (in_features,) float32 on the CPU."""
-        return {f"{name}.weight": acc.value().cpu() for name, acc in self.stats.items()}
+        """HF weight name -> importance vector (in_features,) float32 on the CPU; a checkpoint's joined linear
+        (Phi-3's qkv_proj) gets its parts' statistic, which they share since they read the same input."""
+        out = {f"{name}.weight": acc.value().cpu() for name, acc in self.stats.items()}
+        for i in range(self.model.num_layers):
+            prefix = self.model.adapter.prefix(i)
+            for part, (stored, _, _) in self.model.fused_parts.items():
+                if prefix + part in out:
+                    out[prefix + stored] = out[prefix + part]
+        return out

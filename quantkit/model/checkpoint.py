@@ -43,6 +43,40 @@ class Described:
     def pieces(self) -> ModelPieces:
         return self.adapter.model_pieces(self.config)
 
+    @cached_property
+    def fused_parts(self) -> dict[str, tuple[str, int, int]]:
+        """part name -> (stored name, first row, end row) for tensors the checkpoint stores joined."""
+        out = {}
+        for stored, parts in (self.adapter.fused(self.config) if self.adapter.fused else {}).items():
+            row = 0
+            for name, rows in parts:
+                out[name] = (stored, row, row + rows)
+                row += rows
+        return out
+
+    def stored_names(self, i: int) -> list[str]:
+        """Layer i's tensors as the checkpoint stores them (joined tensors once, under their own name)."""
+        names = []
+        for n in self.block(i).tensor_names():
+            n = self.fused_parts[n][0] if n in self.fused_parts else n
+            if n not in names:
+                names.append(n)
+        return names
+
+    def split_layer(self, i: int, get) -> dict[str, torch.Tensor]:
+        """Layer i's tensors by the names its block description uses, from `get(stored relative name)`."""
+        stored: dict[str, torch.Tensor] = {}
+        out = {}
+        for n in self.block(i).tensor_names():
+            if n in self.fused_parts:
+                name, a, b = self.fused_parts[n]
+                if name not in stored:
+                    stored[name] = get(name)
+                out[n] = stored[name][a:b]
+            else:
+                out[n] = get(n)
+        return out
+
 
 class ModelFolder(Described):
     """What every model folder quantkit reads shares: an adapter naming the tensors, safetensors `weights`,
@@ -87,7 +121,7 @@ class Checkpoint(ModelFolder):
 
     def _check_layout(self) -> None:
         missing = [n for n in (self.adapter.embed, self.adapter.final_norm) if n not in self.weights]
-        missing += [self.adapter.prefix(i) + n for i in range(self.num_layers) for n in self.block(i).tensor_names()
+        missing += [self.adapter.prefix(i) + n for i in range(self.num_layers) for n in self.stored_names(i)
                     if self.adapter.prefix(i) + n not in self.weights]
         if not self.tied_embeddings and self.adapter.lm_head not in self.weights:
             missing.append(self.adapter.lm_head)
@@ -119,7 +153,7 @@ class Checkpoint(ModelFolder):
         if not 0 <= i < self.num_layers:
             raise IndexError(i)
         prefix = self.adapter.prefix(i)
-        return {n: self.weights.get(prefix + n) for n in self.block(i).tensor_names()}
+        return self.split_layer(i, lambda n: self.weights.get(prefix + n))
 
     def iter_layers(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         for i in range(self.num_layers):

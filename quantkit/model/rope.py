@@ -90,7 +90,8 @@ def _yarn(rope: Rope) -> tuple[torch.Tensor, float]:
 def _longrope(rope: Rope, seq_len: int) -> tuple[torch.Tensor, float]:
     p, dim = rope.param, rope.dim
     original = p("original_max_position_embeddings") or rope.max_positions
-    factor = rope.max_positions / original if p("original_max_position_embeddings") else float(p("factor") or 1.0)
+    # Phi-3 leaves `factor` out and means the ratio of the extended to the pretrained context
+    factor = float(p("factor")) if p("factor") is not None else rope.max_positions / original
     attention = p("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))

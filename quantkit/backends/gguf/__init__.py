@@ -84,6 +84,12 @@ class GGUFBackend(Backend):
         plan = Plan("gguf", variant.name, str(path), rows)
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
+        windowed = [i for i in range(cfg.num_layers) if model.block(i).residuals[0].op.window is not None]
+        if windowed and model.adapter.gguf_arch in ("llama", "phi3"):
+            window = model.block(windowed[0]).residuals[0].op.window
+            plan.extra["sliding window"] = (f"llama.cpp runs {model.adapter.gguf_arch} without the checkpoint's "
+                                            f"{window}-token sliding window: past {window} tokens its outputs differ "
+                                            f"from transformers'")
         device = resolve_device(settings.run.device)
         if settings.imatrix:
             plan.extra["importance matrix"] = f"from the calibration pass over {settings.run.calibration_text()}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from hashlib import sha256
 from pathlib import Path
 
@@ -44,7 +45,17 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if arch == "gemma2":   # llama.cpp's gemma2 knows its RoPE; the softcaps and window are keys
+    if arch == "phi3":
+        rope = attn.rope
+        original = rope.param("original_max_position_embeddings") or cfg.raw.get("original_max_position_embeddings")
+        w.add_rope_scaling_orig_ctx_len(int(original))
+        w.add_rope_dimension_count(rope.dim * cfg.hidden_size // cfg.num_heads // cfg.head_dim)
+        w.add_rope_freq_base(rope.theta)
+        w.add_sliding_window(int(cfg.raw.get("sliding_window") or 0))
+        if rope.kind == "longrope":
+            scale = cfg.max_position_embeddings / int(original)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0)
+    elif arch == "gemma2":   # llama.cpp's gemma2 knows its RoPE; the softcaps and window are keys
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_attn_logit_softcapping(float(cfg.raw.get("attn_logit_softcapping") or 0.0))

@@ -43,10 +43,21 @@ def field_value(reader: gguf.GGUFReader, key: str):
 MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
-def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict) -> dict:
+def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict, tensor) -> dict:
     """The config keys a family's block description reads, as llama.cpp interprets the file: Gemma's softcaps
-    and window, its query scale (llama.cpp: 1/sqrt(head size)) and Gemma 3's per-layer-type RoPE."""
+    and window, its query scale (llama.cpp: 1/sqrt(head size)) and Gemma 3's per-layer-type RoPE; Phi-3's
+    partial rotary, window and longrope factors (`tensor(name)` reads a tensor of the file)."""
     get = lambda key: field_value(reader, f"{arch}.{key}")
+    if arch == "phi3":
+        # the window key is written, but llama.cpp runs Phi-3 without it (its loader turns Phi SWA off)
+        extra = {"partial_rotary_factor": (get("rope.dimension_count") or raw["head_dim"]) / raw["head_dim"],
+                 "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        names = {t.name for t in reader.tensors}
+        if "rope_factors_long.weight" in names:
+            extra["rope_parameters"] = {"rope_type": "longrope", "rope_theta": raw["rope_theta"],
+                                        "long_factor": tensor("rope_factors_long.weight").flatten().tolist(),
+                                        "short_factor": tensor("rope_factors_short.weight").flatten().tolist()}
+        return extra
     if arch not in ("gemma2", "gemma3"):
         return {}
     extra = {"query_pre_attn_scalar": raw["head_dim"], "sliding_window": get("attention.sliding_window"),
@@ -86,12 +97,13 @@ class GGUFModel(Described):
         heads = kv["attention.head_count"]
         raw = {"model_type": MODEL_TYPE.get(arch, arch), "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
                "num_attention_heads": heads, "num_key_value_heads": kv["attention.head_count_kv"] or heads,
-               "head_dim": kv["attention.key_length"] or kv["rope.dimension_count"] or kv["embedding_length"] // heads,
+               "head_dim": kv["attention.key_length"] or kv["embedding_length"] // heads,
                "intermediate_size": kv["feed_forward_length"], "vocab_size": n_vocab,
                "rms_norm_eps": kv["attention.layer_norm_rms_epsilon"], "rope_theta": kv["rope.freq_base"] or 10000.0,
                "tie_word_embeddings": "output.weight" not in self.tensors,
                "max_position_embeddings": kv["context_length"] or 2048}
-        raw.update(_arch_config(self.reader, arch, raw))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        raw.update(_arch_config(self.reader, arch, raw, self.gguf_tensor))
         if "rope_freqs.weight" in self.tensors:   # llama3 scaling, stored as one divisor per frequency
             factors = self.gguf_tensor("rope_freqs.weight").flatten().tolist()
             raw["rope_parameters"] = {"rope_type": "factors", "factors": factors, "rope_theta": raw["rope_theta"]}
@@ -140,7 +152,8 @@ class GGUFModel(Described):
         if not self.emulate:
             return None
         prefix = self.adapter.prefix(i)
-        return {lin: self._act(self._names.get_name(prefix + lin + ".weight", try_suffixes=(".weight",)))
+        stored = lambda lin: self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0]
+        return {lin: self._act(self._names.get_name(prefix + stored(lin), try_suffixes=(".weight",)))
                 for lin in self.block(i).linears}
 
     @property
@@ -151,7 +164,7 @@ class GGUFModel(Described):
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
-        return {n: self._hf(prefix + n) for n in self.block(i).tensor_names()}
+        return self.split_layer(i, lambda rel: self._hf(prefix + rel))
 
     def embed_weight(self) -> torch.Tensor:
         return self.gguf_tensor("token_embd.weight")

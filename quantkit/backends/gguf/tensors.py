@@ -12,7 +12,7 @@ from ...model.checkpoint import Checkpoint
 from ...model.rope import base_inv_freq
 
 ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
 # llama.cpp's own conventions per architecture (facts of its convert_hf_to_gguf.py): Gemma stores `1 + w` norms
 # with the 1 added, and llama.cpp's gemma2 always ties the output head to the embedding.
 NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
@@ -71,9 +71,13 @@ def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
             heads = cfg.num_kv_heads
         shift = NORM_SHIFT.get(adapter.gguf_arch, 0.0) if hf_name.endswith("norm.weight") else 0.0
         out.append(GGUFTensor(name, hf_name, tuple(entry.shape), heads, shift))
-    if model.block(0).residuals[0].op.rope.kind == "llama3":
+    rope = model.block(0).residuals[0].op.rope
+    if rope.kind == "llama3":
         # llama.cpp has no llama3 rope metadata; the per-frequency factors travel as a tensor.
         out.append(GGUFTensor("rope_freqs.weight", None, (cfg.head_dim // 2,)))
+    if rope.kind == "longrope":   # Phi-3: both factor lists, llama.cpp picks by context length
+        for kind in ("long", "short"):
+            out.append(GGUFTensor(f"rope_factors_{kind}.weight", None, (len(rope.param(f"{kind}_factor")),)))
     by_name = {t.name: t for t in out}
     return [by_name[n] for n in write_order(list(by_name))]
 
@@ -95,8 +99,11 @@ def load_source(model: Checkpoint, t: GGUFTensor) -> torch.Tensor:
     """The values that go into GGUF tensor `t` (permuted, generated where needed),
     in the checkpoint's own dtype: the encoders widen them to float32 chunk by
     chunk, so the largest tensor is never held twice, once at double width."""
+    rope = model.block(0).residuals[0].op.rope
+    if t.name.startswith("rope_factors_"):
+        return torch.tensor(rope.param(t.name[len("rope_factors_"):-len(".weight")] + "_factor"), dtype=torch.float32)
     if t.source is None:  # rope_freqs: factor by which llama3 scaling divides each frequency
-        return llama3_rope_factors(model.block(0).residuals[0].op.rope)
+        return llama3_rope_factors(rope)
     w = model.tensor(t.source)
     if not w.is_floating_point():
         w = w.float()

@@ -56,7 +56,8 @@ class GPTQJob(PassJob):
         self.folder, self.device, self.calibration = Path(folder), device, calibration
         self.label = f"gptq:{variant}"
         self.notes = notes or []
-        self.linears = {lin.name: lin for row in model_linears(model) for lin in row}
+        self.layer_linears = model_linears(model)
+        self.linears = {lin.name: lin for row in self.layer_linears for lin in row}
         self.writer = ShardedSafetensorsWriter(self.folder, checkpoint_specs(model, settings), max_shard_bytes)
         self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
         self.layer_log: list[dict] = []
@@ -91,21 +92,24 @@ class GPTQJob(PassJob):
             result = gptq_quantize(stacked, acc.value(), self.settings)
         self.layer_log.append({"layer": layer, "linears": list(group.linears), "damp": result.damp,
                                "loss": result.loss})
-        out, row = {}, 0
-        prefix = self.model.adapter.prefix(layer)
+        rows, row = {}, 0
         for lin, name in zip(group.linears, names):
-            n = weights[name].shape[0]
-            self._write_linear(prefix + lin, result, slice(row, row + n))
-            out[name] = result.weight[row:row + n]
-            row += n
-        return out
+            rows[lin] = (row, row + weights[name].shape[0])
+            row = rows[lin][1]
+        prefix = self.model.adapter.prefix(layer)
+        for stored in self.layer_linears[layer]:   # a joined linear (qkv_proj) is its parts' rows, in order
+            if stored.parts[0] in rows:
+                self._write_linear(stored.name, result, slice(rows[stored.parts[0]][0], rows[stored.parts[-1]][1]))
+        return {name: result.weight[slice(*rows[lin])] for lin, name in zip(group.linears, names)}
 
     def finish_layer(self, ctx: LayerContext) -> None:
         """Norms as they are; biases of quantized linears in float16 (as GPTQ kernels take them)."""
         prefix = self.model.adapter.prefix(ctx.layer)
-        for rel in ctx.source:
-            t = ctx.stored(rel)
+        for rel in self.model.stored_names(ctx.layer):
             full = prefix + rel
+            if full.rsplit(".", 1)[0] in self.linears and full.endswith(".weight"):
+                continue   # written by quantize_group
+            t = ctx.stored(rel)
             base, _, leaf = full.rpartition(".")
             if base not in self.linears:
                 self.writer.put(full, t)

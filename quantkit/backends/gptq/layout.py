@@ -19,10 +19,11 @@ from .algorithm import GPTQSettings
 
 @dataclass(frozen=True)
 class LinearShape:
-    name: str          # full HF name without ".weight"
+    name: str          # full HF name without ".weight", as stored (Phi-3's joined qkv_proj / gate_up_proj)
     in_features: int   # K
     out_features: int  # N
     bias: bool
+    parts: tuple[str, ...] = ()   # the block's linears it stores, in row order (relative names)
 
 
 def group_count(k: int, s: GPTQSettings) -> int:
@@ -58,16 +59,21 @@ def check_linear(lin: LinearShape, s: GPTQSettings) -> list[str]:
 
 
 def model_linears(model) -> list[list[LinearShape]]:
-    """Per decoder layer, its linears in true-sequential order."""
+    """Per decoder layer, its linears as the checkpoint stores them (joined ones once), in true-sequential order."""
     adapter, weights = model.adapter, model.weights
     layers = []
     for i in range(model.num_layers):
         prefix = adapter.prefix(i)
-        row = []
+        row: dict[str, list[str]] = {}
         for lin in model.block(i).linears:
-            e = weights.entries[f"{prefix}{lin}.weight"]
-            row.append(LinearShape(f"{prefix}{lin}", e.shape[1], e.shape[0], f"{prefix}{lin}.bias" in weights))
-        layers.append(row)
+            stored = model.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
+            row.setdefault(stored, []).append(lin)
+        shapes = []
+        for stored, parts in row.items():
+            e = weights.entries[f"{prefix}{stored}.weight"]
+            shapes.append(LinearShape(f"{prefix}{stored}", e.shape[1], e.shape[0], f"{prefix}{stored}.bias" in weights,
+                                      tuple(parts)))
+        layers.append(shapes)
     return layers
 
 
@@ -86,7 +92,7 @@ def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
             specs += quantized_specs(lin, s)
             quantized.add(lin.name)
         prefix = adapter.prefix(i)
-        for rel in model.block(i).tensor_names():
+        for rel in model.stored_names(i):
             base = (prefix + rel).rsplit(".", 1)[0]
             if base not in quantized:  # norms (q/k norms too)
                 specs.append(plain(prefix + rel))

@@ -71,14 +71,13 @@ class GPTQCheckpoint(ModelFolder):
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
-        block = self.block(i)
-        out = {}
-        for rel in block.tensor_names():
-            if rel.endswith(".weight") and rel[:-len(".weight")] in block.linears:
-                out[rel] = self.linear_weight(prefix + rel[:-len(".weight")])
-            else:
-                out[rel] = self.weights.get(prefix + rel)
-        return out
+
+        def get(rel: str) -> torch.Tensor:
+            base = rel.removesuffix(".weight")
+            if rel.endswith(".weight") and f"{prefix}{base}.qweight" in self.weights:
+                return self.linear_weight(prefix + base)
+            return self.weights.get(prefix + rel)
+        return self.split_layer(i, get)
 
 
 def describe(folder: Path) -> dict:

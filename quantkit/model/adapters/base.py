@@ -23,6 +23,9 @@ class ArchAdapter:
     embed_scale: bool = False
     unit_offset_norms: bool = False
     logit_softcap_key: str | None = None
+    # checkpoints that store linears joined (Phi-3's qkv_proj, gate_up_proj): config -> {stored name: ((part, rows),
+    # …)}, names relative to the layer prefix with ".weight"; every consumer sees the parts, split on read
+    fused: Callable[[ModelConfig], dict] | None = None
     # families whose layer types use different RoPEs (Gemma 3): config -> {"full_attention": Rope, ...}
     rope_by_layer_type: Callable[[ModelConfig], dict] | None = None
     # Name of the GGUF / llama.cpp architecture this family converts to.

@@ -6,10 +6,15 @@ from .base import ArchAdapter
 
 
 def rope_of(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> Rope:
-    scaling = cfg.rope_scaling if scaling is None else scaling
-    dim = int(cfg.head_dim * float(cfg.raw.get("partial_rotary_factor") or 1.0))
-    return Rope(theta=float(theta or cfg.rope_theta), dim=dim,
-                scaling=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (scaling or {}).items())),
+    scaling = dict(cfg.rope_scaling or {}) if scaling is None else dict(scaling)
+    params = cfg.raw.get("rope_parameters") or {}
+    # partial rotary: a top-level key in older configs, inside rope_parameters in transformers 5
+    partial = cfg.raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    scaling.pop("partial_rotary_factor", None)
+    if scaling and "original_max_position_embeddings" not in scaling and cfg.raw.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg.raw["original_max_position_embeddings"]   # Phi-3
+    return Rope(theta=float(theta or cfg.rope_theta), dim=int(cfg.head_dim * float(partial)),
+                scaling=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items())),
                 max_positions=cfg.max_position_embeddings)
 
 
