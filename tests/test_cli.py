@@ -66,7 +66,9 @@ def test_unsupported_architecture(tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (folder / "config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(run_cli("inspect", str(folder)), 4, "'gpt2' is not supported", "llama", "qwen2")
+    from quantkit.model.adapters import supported_model_types
+    assert_one_line_error(run_cli("inspect", str(folder)), 4, "'gpt2' is not supported", "docs/adding-a-family.md",
+                          *supported_model_types())
 
 
 def test_unknown_format(tiny_llama):
@@ -91,3 +93,14 @@ def test_eval_missing_data_file(tiny_llama, tmp_path):
 def test_debug_shows_traceback():
     proc = run_cli("--debug", "inspect", "./no/such/model")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize("args,flag", [(["-f", "gguf:Q8_0", "--act-order"], "--act-order"),
+                                       (["-f", "gptq:4bit-g64", "--pure"], "--pure")])
+def test_an_option_of_a_format_not_in_the_run_is_refused(tiny_llama, tmp_path, args, flag):
+    """A format owns its options; set without that format, they would be silently ignored."""
+    r = run_cli("convert", str(tiny_llama), *args, "-o", str(tmp_path / "o"))
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()
+    assert len(line) == 1 and flag in line[0] and "add -f" in line[0]
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
