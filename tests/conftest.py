@@ -14,6 +14,10 @@ SHARED_DATA = Path(os.environ.get("QUANTKIT_SHARED_DATA", ROOT.parent / "shared"
 WIKI_TEST = SHARED_DATA / "wikitext2-test.raw.txt"
 WIKI_VALID = SHARED_DATA / "wikitext2-valid.txt"
 
+# Llama 3.1's RoPE scaling, with an original context short enough that tiny test windows reach the blend
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
 TINY_TEXT = ("the quick brown fox jumps over the lazy dog . " * 40
              + "a stitch in time saves nine ; all that glitters is not gold . " * 40)
 

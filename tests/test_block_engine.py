@@ -4,7 +4,7 @@ fold a scale into the producer of an input, passes)."""
 import pytest
 import torch
 
-from conftest import make_checkpoint
+from conftest import LLAMA3_ROPE, make_checkpoint
 from quantkit.calibration.capture import run_capture
 from quantkit.calibration.jobs import ArtifactJob, LayerJob, PassJob
 from quantkit.eval.harness import window_logits
@@ -13,14 +13,12 @@ from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.engine import Runtime, run_block
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 # (model_type, config extras): several layers; sliding/global alternation where the family has it
 FAMILIES = {
     "llama": ("llama", {}),
     "llama-bias": ("llama", {"attention_bias": True}),
-    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
     "llama-yarn": ("llama", {"rope_parameters": YARN}),
     "mistral-window": ("mistral", {"sliding_window": 8}),

@@ -11,19 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY_TEXT, make_checkpoint
+from conftest import LLAMA3_ROPE, ROOT, TINY_TEXT, make_checkpoint
 from quantkit import api
 from quantkit.backends.gguf import llamacpp
 from quantkit.backends.gguf.reader import GGUFModel
 from quantkit.eval.harness import Scores, evaluate, load_windows, window_logits
 from quantkit.model.checkpoint import Checkpoint
 
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 # rows of 256 so every K-quant applies; query scale = 1/sqrt(head_dim), the one llama.cpp's gemma archs use
 FAMILIES = {
     "llama": ("llama", {}),
-    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 64}),

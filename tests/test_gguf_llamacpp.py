@@ -66,34 +66,4 @@ def test_loads_in_llama_cpp_with_same_logits_and_perplexity(demo_files):
     assert exact.perplexity == pytest.approx(in_llamacpp.perplexity, rel=0.02)
 
 
-@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 64})])
-def test_each_family_loads_in_llama_cpp_with_quantkit_logits(tmp_path, model_type, extra):
-    """F32 files: llama.cpp (f32 KV cache) must compute what quantkit's own forward computes, which checks
-    the metadata, tensor names, the q/k permutation (llama) and biases / q-k norms (qwen2 / qwen3)."""
-    from conftest import TINY_TEXT, make_checkpoint
-    from quantkit.model.checkpoint import Checkpoint
-    src = make_checkpoint(tmp_path / model_type, model_type=model_type, hidden=256, intermediate=512, heads=4,
-                          kv_heads=2, layers=2, vocab=320, bpe=True, **extra)
-    with torch.no_grad():  # trained-like scale: the random 0.3-std init saturates and hides differences
-        from safetensors.torch import load_file, save_file
-        sd = load_file(str(src / "model.safetensors"))
-        sd = {k: (v.float() * (0.1 if v.dim() > 1 else 1)).to(v.dtype) for k, v in sd.items()}
-        save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
-    (path,) = api.convert(str(src), ["gguf:F32"], tmp_path / "out", options={"tokenizer_pre": "gpt-2"})
-    text = tmp_path / "t.txt"
-    text.write_text(TINY_TEXT)
-    model = Checkpoint(src)
-    tokens = load_windows(model.tokenizer, text, ctx=64, windows=2)
-    ours = evaluate(model, tokens)
-    lc = llamacpp.load_llama_cpp()
-    llm = lc.Llama(str(path), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True, verbose=False, n_threads=2,
-                   type_k=0, type_v=0)
-    from quantkit.eval.harness import Scores
-    s = Scores()
-    for wi, w in enumerate(tokens.tolist()):
-        llm.reset()
-        llm.eval(w)
-        s.add(torch.from_numpy(np.array(llm.scores[:63], dtype=np.float32)), tokens[wi, 1:])
-    llm.close()
-    theirs = s.result(model="llama.cpp", base=None, data="", ctx=64, windows=2)
-    assert theirs.perplexity == pytest.approx(ours.perplexity, rel=1e-3)
+# every family in llama.cpp (F16 and Q4_K_M against quantkit's reading of the same file): test_gguf_families.py
