@@ -39,6 +39,13 @@ FAMILIES = {
                                            "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                            "long_factor": [2.0 + 0.5 * i for i in range(6)]}}),
     "phi3-window": ("phi3", {"pad_token_id": 0, "sliding_window": 8}),
+    # mixtures of experts: >= 4 experts, top-2
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+                                "mlp_only_layers": [1]}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "norm_topk_prob": True, "head_dim": 32}),
 }
 
 
@@ -232,3 +239,38 @@ def test_runtime_rope_tables_are_shared_between_layers(tmp_path):
     for i in range(3):
         h = run_block(model.block(i), h, {k: v for k, v in model.layer(i).items()}, rt)
     assert len(rt._rope) == 1
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_each_expert_sees_the_tokens_transformers_routes_to_it(tmp_path, key):
+    """Routing runs on the job's own stream as the model would run it: expert e's gate/up inputs are exactly the
+    rows of the tokens transformers' router sends to e (compared with a pre-hook on its experts module)."""
+    folder = family_checkpoint(tmp_path, key)
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(4))
+    rec = Recorder(1.0)
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    hf = hf_model(folder)
+    for i in range(model.num_layers):
+        sub = model.block(i).residuals[1]
+        if sub.name != "moe":
+            continue
+        moe, seen = sub.op, []
+        layer = hf.get_submodule(f"model.layers.{i}")   # transformers 5 names Mixtral's block `mlp` in memory
+        experts = getattr(layer, "mlp", None) or layer.block_sparse_moe
+        experts = experts.experts
+        handle = experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
+        with torch.no_grad():
+            hf(tokens)
+        handle.remove()
+        hidden, chosen = seen[0]
+        counts = []
+        for e, expert in enumerate(moe.experts):
+            expected = hidden[(chosen == e).any(-1)]
+            got = rec.seen.get((i, (expert.gate, expert.up)))
+            counts.append(expected.shape[0])
+            if expected.shape[0] == 0:
+                assert got is None
+                continue
+            torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+        assert sum(counts) == tokens.numel() * moe.top_k

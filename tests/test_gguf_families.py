@@ -150,3 +150,10 @@ def test_an_untied_gemma2_head_is_refused_not_dropped(tmp_path):
     with pytest.raises(Exception, match="separate tensor"):
         api.convert(str(src), ["gguf:F16"], tmp_path / "out", options={"tokenizer_pre": "gpt-2"})
     assert not list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
+
+
+def test_gguf_of_a_mixture_of_experts_is_refused_in_one_line(tmp_path):
+    from conftest import run_cli
+    src = make_checkpoint(tmp_path / "moe", model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    r = run_cli("convert", str(src), "-f", "gguf:Q8_0", "-o", str(tmp_path / "out"))
+    assert r.returncode == 4 and "mixture-of-experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -206,3 +206,29 @@ def test_qwen2_biases_are_kept_in_float16(tmp_path):
         assert w.entries[name].dtype == "F16"
         assert torch.equal(w.get(name), base.tensor(name).to(torch.float16))
     assert GPTQCheckpoint(folder).layer(1)["self_attn.q_proj.bias"].dtype == torch.float16
+
+
+def test_moe_experts_are_quantized_from_their_routed_tokens(tmp_path, calib_text):
+    """Mixture of experts: each expert's Hessian comes from the tokens routed to it; quantkit.json records how
+    many each saw; an expert no token reached is rounded to nearest (and says so); every expert's weights
+    reconstruct from its codes; the router stays unquantized."""
+    src = make_checkpoint(tmp_path / "moe", model_type="qwen2_moe", hidden=64, layers=2, heads=4, kv_heads=2,
+                          intermediate=128, vocab=64, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+    (folder,) = convert(src, tmp_path / "out", "4bit-g32", calib=calib_text, calib_samples=1, calib_seqlen=6)
+    info = json.loads((folder / "quantkit.json").read_text())
+    for layer in range(2):
+        gate_up = [e for e in info["layers"] if e["layer"] == layer and e["linears"][0].startswith("mlp.experts.")
+                   and e["linears"][0].endswith("gate_proj")]
+        assert len(gate_up) == 8
+        assert sum(e["tokens"] for e in gate_up) == 6          # top-1: every token reaches one expert
+        unreached = [e for e in gate_up if e["tokens"] == 0]
+        assert unreached and all("round-to-nearest" in e["method"] for e in unreached)
+    quantized, base = GPTQCheckpoint(folder), Checkpoint(src)
+    w, w0 = quantized.layer(1), base.layer(1)
+    for e in range(8):
+        name = f"mlp.experts.{e}.down_proj.weight"
+        err = (w[name] - w0[name].float()).abs().max().item()
+        assert 0 < err < 0.25 * w0[name].float().abs().max().item(), (e, err)
+    stored = SafetensorsCheckpoint(folder)
+    assert "model.layers.0.mlp.gate.weight" in stored and "model.layers.0.mlp.experts.3.up_proj.qweight" in stored

@@ -100,10 +100,38 @@ class GatedMLP:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture of experts: `router` (a linear to one logit per expert, kept unquantized) picks `top_k` experts
+    per token from the softmax of its logits (renormalised over the chosen ones when `renormalize`); each chosen
+    expert's output is weighted by its probability.  An optional `shared` expert sees every token, scaled by
+    sigmoid(`shared_gate`(x)) (Qwen2-MoE)."""
+    router: str
+    experts: tuple[GatedMLP, ...]
+    top_k: int
+    renormalize: bool
+    shared: GatedMLP | None = None
+    shared_gate: str | None = None
+
+    @property
+    def _all(self) -> tuple[GatedMLP, ...]:
+        return self.experts + ((self.shared,) if self.shared else ())
+
+    @property
+    def stages(self) -> tuple[tuple[InputGroup, ...], ...]:
+        """Every expert's gate/up (routed tokens), then every expert's down; the shared expert last in each."""
+        return (tuple(InputGroup((e.gate, e.up)) for e in self._all),
+                tuple(InputGroup((e.down,), e.up, "linear") for e in self._all))
+
+    def tensors(self) -> list[str]:
+        names = [f"{self.router}.weight"] + [n for e in self._all for n in e.tensors()]
+        return names + ([f"{self.shared_gate}.weight"] if self.shared_gate else [])
+
+
+@dataclass(frozen=True)
 class Residual:
     """h ← h + post_norm(op(norm(h)))."""
     norm: Norm
-    op: Attention | GatedMLP
+    op: Attention | GatedMLP | MoE
     post_norm: Norm | None = None
     name: str = ""                        # "attention", "mlp", "moe": how reports and jobs refer to it
 
@@ -113,6 +141,8 @@ class Residual:
         pre-norm's output, so the norm is their producer."""
         kind = "norm+1" if self.norm.unit_offset else "norm"
         first, *rest = self.op.stages
+        if isinstance(self.op, MoE):   # the norm feeds every expert: no one group's input is its alone to scale
+            return (first, *rest)
         first = tuple(InputGroup(g.linears, self.norm.weight, kind) if g.producer is None else g for g in first)
         return (first, *rest)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .block import Attention, Block, GatedMLP, InputGroup, Norm, Residual, Rope
+from .block import Attention, Block, GatedMLP, InputGroup, MoE, Norm, Residual, Rope
 from .rope import rope_tables
 
 Observer = Callable[[InputGroup, torch.Tensor], None]
@@ -148,7 +148,43 @@ def gated_mlp(op: GatedMLP, x: torch.Tensor, w, rt: Runtime, observe: _StageObse
     return linear(m, w, op.down, rt)
 
 
-OPS = {Attention: attention, GatedMLP: gated_mlp}
+def moe(op: MoE, x: torch.Tensor, w, rt: Runtime, observe: _StageObserver | None, stop: int | None):
+    """Top-k routing as transformers does it: softmax in float32, top-k, optional renormalisation, weights in the
+    activations' dtype; each expert runs on its routed tokens only (an expert no token chose is not observed)."""
+    b, t, hidden = x.shape
+    flat = x.reshape(-1, hidden)
+    probs = torch.softmax(linear(flat, w, op.router, rt).float(), dim=-1)
+    top, chosen = probs.topk(op.top_k, dim=-1)
+    if op.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    top = top.to(x.dtype)
+    routes = [torch.where(chosen == e) for e in range(len(op.experts))]    # (token rows, top-k slot) per expert
+    inputs = [flat[tokens] for tokens, _ in routes] + ([flat] if op.shared else [])
+    experts = op._all
+    if observe:
+        for k, rows in enumerate(inputs):
+            if rows.shape[0]:
+                observe(0, k, rows)
+    if stop == 0:
+        return None
+    hidden_states = [_ACTS[e.act](linear(rows, w, e.gate, rt)) * linear(rows, w, e.up, rt)
+                     for e, rows in zip(experts, inputs)]
+    if observe:
+        for k, m in enumerate(hidden_states):
+            if m.shape[0]:
+                observe(1, k, m)
+    if stop == 1:
+        return None
+    out = torch.zeros_like(flat)
+    for e, (tokens, slot), m in zip(op.experts, routes, hidden_states):
+        out.index_add_(0, tokens, linear(m, w, e.down, rt) * top[tokens, slot, None])
+    if op.shared:
+        gate = torch.sigmoid(linear(flat, w, op.shared_gate, rt))
+        out = out + gate * linear(hidden_states[-1], w, op.shared.down, rt)
+    return out.view(b, t, hidden)
+
+
+OPS = {Attention: attention, GatedMLP: gated_mlp, MoE: moe}
 
 
 def run_residual(sub: Residual, h: torch.Tensor, w: dict[str, torch.Tensor], rt: Runtime, *,

@@ -8,6 +8,7 @@ import gguf
 import torch
 
 from ...errors import UnsupportedArchitectureError
+from ...model.block import MoE
 from ...model.checkpoint import Checkpoint
 from ...model.rope import base_inv_freq
 
@@ -51,6 +52,9 @@ def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
     arch = ARCHES.get(adapter.gguf_arch)
     if arch is None:
         raise UnsupportedArchitectureError(f"no GGUF mapping for the {adapter.family} family")
+    if any(isinstance(r.op, MoE) for i in range(cfg.num_layers) for r in model.block(i).residuals):
+        raise UnsupportedArchitectureError(f"GGUF of mixture-of-experts models ({adapter.family}) is not supported "
+                                           f"yet (llama.cpp stacks the experts into ffn_*_exps tensors)")
     name_map = gguf.get_tensor_name_map(arch, cfg.num_layers)
     out: list[GGUFTensor] = []
     for hf_name, entry in model.weights.entries.items():

@@ -85,13 +85,17 @@ class GPTQJob(PassJob):
         layer, weights = ctx.layer, ctx.source
         names = [f"{lin}.weight" for lin in group.linears]
         stacked = torch.cat([weights[n].to(self.device, torch.float32) for n in names])
-        if self.rtn:
+        acc = None if self.rtn else self.stats.pop(group.linears, None)
+        if acc is None:   # round to nearest, or an expert no calibration token was routed to
             result = rtn_quantize(stacked, self.settings)
-        else:
-            acc = self.stats.pop(group.linears)
+        else:             # an expert that saw fewer tokens than inputs: its rank-deficient H is damped as usual
             result = gptq_quantize(stacked, acc.value(), self.settings)
-        self.layer_log.append({"layer": layer, "linears": list(group.linears), "damp": result.damp,
-                               "loss": result.loss})
+        entry = {"layer": layer, "linears": list(group.linears), "damp": result.damp, "loss": result.loss}
+        if not self.rtn:
+            entry["tokens"] = acc.rows if acc is not None else 0
+            if acc is None:
+                entry["method"] = "round-to-nearest (no calibration token reached this expert)"
+        self.layer_log.append(entry)
         rows, row = {}, 0
         for lin, name in zip(group.linears, names):
             rows[lin] = (row, row + weights[name].shape[0])

@@ -8,10 +8,10 @@ from __future__ import annotations
 from ...errors import UnsupportedArchitectureError
 from ..block import InputGroup
 from .base import ArchAdapter
-from . import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3
 
 _FAMILIES: list[ArchAdapter] = [llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, qwen3.ADAPTER, gemma2.ADAPTER,
-                                gemma3.ADAPTER, phi3.ADAPTER]
+                                gemma3.ADAPTER, phi3.ADAPTER, mixtral.ADAPTER, qwen2_moe.QWEN2_MOE, qwen2_moe.QWEN3_MOE]
 _BY_TYPE = {t: a for a in _FAMILIES for t in a.model_types}
 GUIDE = "docs/adding-a-family.md"
 
