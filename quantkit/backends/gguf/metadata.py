@@ -44,9 +44,12 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
+    ropes = model.adapter.rope_by_layer_type(cfg) if model.adapter.rope_by_layer_type else {}
+    rope = ropes.get("full_attention", attn.rope)
+    if arch not in ("phi3", "gemma2"):
+        w.add_rope_freq_base(rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "phi3":
-        rope = attn.rope
         original = rope.param("original_max_position_embeddings") or cfg.raw.get("original_max_position_embeddings")
         w.add_rope_scaling_orig_ctx_len(int(original))
         w.add_rope_dimension_count(rope.dim * cfg.hidden_size // cfg.num_heads // cfg.head_dim)
@@ -62,8 +65,6 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
         w.add_final_logit_softcapping(float(cfg.raw.get("final_logit_softcapping") or 0.0))
         w.add_sliding_window(int(cfg.raw["sliding_window"]))
     else:
-        ropes = model.adapter.rope_by_layer_type(cfg) if model.adapter.rope_by_layer_type else {}
-        _add_rope(w, ropes.get("full_attention", attn.rope))
         if arch == "llama":
             w.add_rope_dimension_count(cfg.head_dim)
         if arch == "gemma3":
@@ -76,13 +77,13 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
         if cfg.head_dim != cfg.hidden_size // cfg.num_heads or "head_dim" in cfg.raw:
             w.add_key_length(cfg.head_dim)
             w.add_value_length(cfg.head_dim)
+        _add_rope_scaling(w, rope)
         if arch == "llama":
             w.add_vocab_size(cfg.vocab_size)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _add_rope(w: gguf.GGUFWriter, rope) -> None:
-    w.add_rope_freq_base(rope.theta)
+def _add_rope_scaling(w: gguf.GGUFWriter, rope) -> None:
     p = rope.param
     if rope.kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
