@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import make_checkpoint
-from quantkit.eval.harness import evaluate, final_hidden_states, load_windows
+from quantkit.eval.harness import evaluate, load_windows
 from quantkit.errors import DataError
 from quantkit.model.checkpoint import Checkpoint
 

@@ -100,7 +100,6 @@ class GPTQJob(PassJob):
         for lin, name in zip(group.linears, names):
             rows[lin] = (row, row + weights[name].shape[0])
             row = rows[lin][1]
-        prefix = self.model.adapter.prefix(layer)
         for stored in self.layer_linears[layer]:   # a joined linear (qkv_proj) is its parts' rows, in order
             if stored.parts[0] in rows:
                 self._write_linear(stored.name, result, slice(rows[stored.parts[0]][0], rows[stored.parts[-1]][1]))
