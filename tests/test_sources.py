@@ -60,7 +60,7 @@ def test_unsupported_architecture_refused_up_front(tmp_path):
     folder = make_checkpoint(tmp_path / "m", tokenizer=False)
     cfg = (folder / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (folder / "config.json").write_text(cfg)
-    with pytest.raises(UnsupportedArchitectureError, match="supported: llama"):
+    with pytest.raises(UnsupportedArchitectureError, match="supported: .*llama"):
         open_model(str(folder))
 
 
