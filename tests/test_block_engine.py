@@ -89,6 +89,16 @@ class Recorder(PassJob):
         return {f"{n}.weight": ctx.source[f"{n}.weight"].float() * self.factor for n in group.linears}
 
 
+def recorded_capture(tmp_path, key, *, factor: float, seed: int):
+    """A family's checkpoint, 3 × 24 random tokens, and a Recorder that went through the capture pass on them."""
+    folder = family_checkpoint(tmp_path, key)
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(seed))
+    rec = Recorder(factor)
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    return folder, model, tokens, rec
+
+
 def hf_group_inputs(hf, tokens, layer, linear):
     """What a forward pre-hook on transformers' own module records as that linear's input."""
     module = hf.get_submodule(f"model.layers.{layer}.{linear}")
@@ -104,11 +114,7 @@ def hf_group_inputs(hf, tokens, layer, linear):
 def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_replaced(tmp_path, key):
     """Each group's inputs are those of the transformers model whose earlier groups (this layer's and every
     earlier layer's) already carry the job's weights."""
-    folder = family_checkpoint(tmp_path, key)
-    model = Checkpoint(folder)
-    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(1))
-    rec = Recorder(0.9)
-    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    folder, model, tokens, rec = recorded_capture(tmp_path, key, factor=0.9, seed=1)
     hf = hf_model(folder)
     # transformers' module of a linear: itself, or the joined one it is a part of (Phi-3's qkv_proj)
     module_of = lambda lin: model.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
@@ -245,11 +251,7 @@ def test_runtime_rope_tables_are_shared_between_layers(tmp_path):
 def test_each_expert_sees_the_tokens_transformers_routes_to_it(tmp_path, key):
     """Routing runs on the job's own stream as the model would run it: expert e's gate/up inputs are exactly the
     rows of the tokens transformers' router sends to e (compared with a pre-hook on its experts module)."""
-    folder = family_checkpoint(tmp_path, key)
-    model = Checkpoint(folder)
-    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(4))
-    rec = Recorder(1.0)
-    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    folder, model, tokens, rec = recorded_capture(tmp_path, key, factor=1.0, seed=4)
     hf = hf_model(folder)
     for i in range(model.num_layers):
         sub = model.block(i).residuals[1]

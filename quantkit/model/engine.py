@@ -11,6 +11,7 @@ weight is cast to its input's dtype where it is used.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -40,8 +41,8 @@ class Runtime:
         return self._rope[rope]
 
     def with_acts(self, acts: dict[str, Callable] | None) -> "Runtime":
-        other = Runtime.__new__(Runtime)
-        other.__dict__.update(self.__dict__)
+        """The same runtime (sharing its RoPE tables) with another activation rounding."""
+        other = copy.copy(self)
         other.acts = acts or {}
         return other
 
@@ -148,6 +149,13 @@ def gated_mlp(op: GatedMLP, x: torch.Tensor, w, rt: Runtime, observe: _StageObse
     return linear(m, w, op.down, rt)
 
 
+def _observe_nonempty(observe: _StageObserver | None, stage: int, inputs: list[torch.Tensor]) -> None:
+    """Each expert's input rows at a stage; an expert no token was routed to has nothing to observe."""
+    for k, rows in enumerate(inputs if observe else ()):
+        if rows.shape[0]:
+            observe(stage, k, rows)
+
+
 def moe(op: MoE, x: torch.Tensor, w, rt: Runtime, observe: _StageObserver | None, stop: int | None):
     """Top-k routing as transformers does it: softmax in float32, top-k, optional renormalisation, weights in the
     activations' dtype; each expert runs on its routed tokens only (an expert no token chose is not observed)."""
@@ -161,18 +169,12 @@ def moe(op: MoE, x: torch.Tensor, w, rt: Runtime, observe: _StageObserver | None
     routes = [torch.where(chosen == e) for e in range(len(op.experts))]    # (token rows, top-k slot) per expert
     inputs = [flat[tokens] for tokens, _ in routes] + ([flat] if op.shared else [])
     experts = op._all
-    if observe:
-        for k, rows in enumerate(inputs):
-            if rows.shape[0]:
-                observe(0, k, rows)
+    _observe_nonempty(observe, 0, inputs)
     if stop == 0:
         return None
     hidden_states = [_ACTS[e.act](linear(rows, w, e.gate, rt)) * linear(rows, w, e.up, rt)
                      for e, rows in zip(experts, inputs)]
-    if observe:
-        for k, m in enumerate(hidden_states):
-            if m.shape[0]:
-                observe(1, k, m)
+    _observe_nonempty(observe, 1, hidden_states)
     if stop == 1:
         return None
     out = torch.zeros_like(flat)
