@@ -54,8 +54,12 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
                     max_shard_size=None, tokenizer=True, bpe=False, weight_std=0.3, train_steps=0, **extra) -> Path:
     """A random model of `model_type` saved with transformers itself.  `train_steps` > 0 first fits it to
     TINY_TEXT (needs a tokenizer): a model with decisive predictions, like a real one, so that comparisons of
-    top-1 agreement between two runtimes measure the runtimes rather than near-ties of random logits."""
+    top-1 agreement between two runtimes measure the runtimes rather than near-ties of random logits.
+    model_type "gemma3": a gemma3_text model saved inside a Gemma 3 image-text-to-text checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    multimodal = model_type == "gemma3"
+    model_type = "gemma3_text" if multimodal else model_type
 
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -73,8 +77,26 @@ def make_checkpoint(folder: Path, model_type: str = "llama", *, hidden=64, layer
         make_tokenizer(folder)
     if train_steps:
         _fit_to_tiny_text(model, folder, train_steps, seed)
+    if multimodal:
+        model = _inside_gemma3_multimodal(model)
     model.save_pretrained(str(folder), **kw)
     return folder
+
+
+def _inside_gemma3_multimodal(text_model):
+    """A Gemma3ForConditionalGeneration (a tiny SigLIP tower beside) whose language model is `text_model`: the
+    same language model saved as transformers saves the image-text-to-text checkpoints."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    dtype = next(text_model.parameters()).dtype
+    cfg = Gemma3Config(text_config=text_model.config.to_dict(), mm_tokens_per_image=4,
+                       tie_word_embeddings=text_model.config.tie_word_embeddings,
+                       vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "intermediate_size": 64, "image_size": 28, "patch_size": 14})
+    model = Gemma3ForConditionalGeneration(cfg).to(dtype)
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text_model.model.state_dict())
+        model.lm_head.weight.copy_(text_model.lm_head.weight)
+    return model
 
 
 def _fit_to_tiny_text(model, folder: Path, steps: int, seed: int) -> None:

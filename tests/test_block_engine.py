@@ -32,6 +32,8 @@ FAMILIES = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}}),
+    "gemma3-multimodal": ("gemma3", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "phi3": ("phi3", {"pad_token_id": 0}),
     "phi3-longrope-partial": ("phi3", {"pad_token_id": 0,
                                        "original_max_position_embeddings": 32, "rope_parameters": {
@@ -99,9 +101,14 @@ def recorded_capture(tmp_path, key, *, factor: float, seed: int):
     return folder, model, tokens, rec
 
 
-def hf_group_inputs(hf, tokens, layer, linear):
+def hf_layers(hf, model):
+    """transformers' stack of decoder layers (the language model's, in an image-text-to-text model)."""
+    return hf.get_submodule(model.adapter.layers_module or "model.layers")
+
+
+def hf_group_inputs(hf, layers, tokens, layer, linear):
     """What a forward pre-hook on transformers' own module records as that linear's input."""
-    module = hf.get_submodule(f"model.layers.{layer}.{linear}")
+    module = layers[layer].get_submodule(linear)
     seen = []
     handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
     with torch.no_grad():
@@ -110,22 +117,24 @@ def hf_group_inputs(hf, tokens, layer, linear):
     return seen[0]
 
 
-@pytest.mark.parametrize("key", ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3", "phi3-window"])
+@pytest.mark.parametrize("key", ["llama", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3",
+                                 "gemma3-multimodal", "phi3-window"])
 def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_replaced(tmp_path, key):
     """Each group's inputs are those of the transformers model whose earlier groups (this layer's and every
     earlier layer's) already carry the job's weights."""
     folder, model, tokens, rec = recorded_capture(tmp_path, key, factor=0.9, seed=1)
     hf = hf_model(folder)
+    layers = hf_layers(hf, model)
     # transformers' module of a linear: itself, or the joined one it is a part of (Phi-3's qkv_proj)
     module_of = lambda lin: model.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
     for i in range(model.num_layers):
         for group in model.block(i).groups:
-            expected = hf_group_inputs(hf, tokens, i, module_of(group.linears[0]))
+            expected = hf_group_inputs(hf, layers, tokens, i, module_of(group.linears[0]))
             got = torch.cat(rec.seen[(i, group.linears)])
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4, msg=f"{i} {group.linears}")
             with torch.no_grad():
                 for name in {module_of(lin) for lin in group.linears}:
-                    hf.get_submodule(f"model.layers.{i}.{name}").weight.mul_(0.9)
+                    layers[i].get_submodule(name).weight.mul_(0.9)
 
 
 class Folder(PassJob):

@@ -32,10 +32,18 @@ FAMILIES = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}),
+    # the same language model inside an image-text-to-text checkpoint (a vision tower beside it)
+    "gemma3-multimodal": ("gemma3", {"layers": 6, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 32}),
     "phi3": ("phi3", {"pad_token_id": 0}),
     "phi3-longrope": ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 32, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
         "short_factor": [1.0 + 0.05 * i for i in range(24)], "long_factor": [1.5 + 0.1 * i for i in range(24)]}}),
+    # mixtures of experts: 4 experts, top-2; expert rows of 256 for the K-quants
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                "shared_expert_intermediate_size": 512}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+                                "norm_topk_prob": True, "head_dim": 64}),
 }
 CTX = 64
 
@@ -133,7 +141,8 @@ def test_f16_and_q4_k_m_run_in_llama_cpp_as_quantkit_reads_them(tmp_path, family
             assert ppl_theirs == pytest.approx(evaluate(mine, tokens).perplexity, rel=0.005)
 
 
-@pytest.mark.parametrize("key", ["gemma2", "gemma3", "llama", "llama3-rope", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("key", ["gemma2", "gemma3", "llama", "llama3-rope", "phi3", "phi3-longrope", "mixtral",
+                                 "qwen2_moe", "qwen3_moe"])
 def test_quantkit_reads_its_f32_file_as_the_source(tmp_path, family_source, key):
     """The reader undoes what the writer did (Gemma's +1 norms, the tied head, llama's q/k order)."""
     src = family_source(key)
@@ -152,8 +161,60 @@ def test_an_untied_gemma2_head_is_refused_not_dropped(tmp_path):
     assert not list((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
 
 
-def test_gguf_of_a_mixture_of_experts_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("model_type, extra, words", [
+    ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1]}, "dense MLP"),
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}, "always renormalises")])
+def test_experts_llama_cpp_would_run_differently_are_refused_in_one_line(tmp_path, model_type, extra, words):
+    """llama.cpp builds experts in every layer and fixes the renormalisation per architecture."""
     from conftest import run_cli
-    src = make_checkpoint(tmp_path / "moe", model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    src = make_checkpoint(tmp_path / "moe", model_type=model_type, **extra)
     r = run_cli("convert", str(src), "-f", "gguf:Q8_0", "-o", str(tmp_path / "out"))
-    assert r.returncode == 4 and "mixture-of-experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 4 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_q4_k_m_of_experts_follows_llama_quantizes_rules(family_source):
+    """The expert tensors take the ffn rules by the block number in their name (two ffn_down per layer here: a
+    counter would give blk.0's second one layer 1's type), and the 8-expert bumps (attn_k Q8_0) stay off."""
+    from quantkit.backends.gguf import BACKEND
+    model = Checkpoint(family_source("qwen2_moe"))
+    plan = BACKEND.plan(model, BACKEND.parse_variant("Q4_K_M"), Path("."), BACKEND.settings({}))
+    kinds = {r.tensor: r.kind for r in plan.rows}
+    assert kinds["blk.0.ffn_down_exps.weight"] == kinds["blk.0.ffn_down_shexp.weight"] == "Q4_K"
+    assert kinds["blk.1.ffn_down_exps.weight"] == kinds["blk.1.ffn_down_shexp.weight"] == "Q6_K"  # use_more_bits(1, 2)
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.0.ffn_up_exps.weight"] == "Q4_K"
+    assert kinds["blk.0.ffn_gate_inp.weight"] == "F32" and kinds["blk.0.attn_k.weight"] == "Q4_K"
+
+
+def test_a_tied_qwen2_moe_gets_the_output_tensor_llama_cpp_requires(tmp_path):
+    """llama.cpp's qwen2moe has no tied head: the embedding is written as output.weight too."""
+    src = make_checkpoint(tmp_path / "q", model_type="qwen2_moe", hidden=256, intermediate=512, heads=4, kv_heads=2,
+                          layers=1, vocab=320, bpe=True, tie=True, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    (path,) = api.convert(str(src), ["gguf:F32"], tmp_path / "out", options={"tokenizer_pre": "gpt-2"})
+    data = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    np.testing.assert_array_equal(data["output.weight"], data["token_embd.weight"])
+    tokens = torch.randint(0, 320, (1, CTX), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.stack(list(window_logits(GGUFModel(path), tokens))),
+                               torch.stack(list(window_logits(Checkpoint(src), tokens))), atol=1e-4, rtol=1e-4)
+    if llamacpp.available():
+        lc = llamacpp.load_llama_cpp()
+        llm = lc.Llama(str(path), n_ctx=CTX, verbose=False, n_threads=2)   # loads: the tensor it requires is there
+        llm.close()
+
+
+def test_the_language_model_inside_a_multimodal_gemma3_makes_the_text_only_file(tmp_path):
+    """Gemma 3's image-text-to-text checkpoint gives the GGUF of its language model alone: the same tensors and
+    keys as the text-only checkpoint of that language model; the vision tower is left out, and the plan says so."""
+    kw = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, vocab=320, bpe=True, head_dim=64,
+              sliding_window=32)
+    text = make_checkpoint(tmp_path / "text", model_type="gemma3_text", **kw)
+    both = make_checkpoint(tmp_path / "both", model_type="gemma3", **kw)
+    (a,) = api.convert(str(text), ["gguf:F32"], tmp_path / "a", options={"tokenizer_pre": "gpt-2"})
+    (b,) = api.convert(str(both), ["gguf:F32"], tmp_path / "b", options={"tokenizer_pre": "gpt-2"})
+    assert metadata(a) == metadata(b)
+    data = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(a)).tensors}
+    for t in gguf.GGUFReader(str(b)).tensors:
+        np.testing.assert_array_equal(np.asarray(t.data), data[t.name], err_msg=t.name)
+    plans = api.plan(str(both), ["gguf:Q4_K_M"], tmp_path / "c", options={})
+    assert "vision_tower." in plans[0].extra["left out"] and "mmproj" in plans[0].extra["left out"]

@@ -87,3 +87,27 @@ def test_imatrix_usage_errors(tiny_gguf_source, tmp_path, args, message):
     r = run_cli("convert", str(tiny_gguf_source), *args, "-o", str(tmp_path / "o"))
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_each_expert_is_weighted_by_its_own_importance(tmp_path, calib_text):
+    """As llama-imatrix keeps one vector per expert: expert e's rows of a stacked ffn_*_exps tensor are quantized
+    with the statistic of the tokens routed to e (and unweighted if none reached it)."""
+    from conftest import make_checkpoint
+    src = make_checkpoint(tmp_path / "moe", model_type="qwen3_moe", hidden=256, intermediate=512, layers=1,
+                          vocab=320, bpe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                          norm_topk_prob=True, head_dim=64)
+    (weighted,) = api.convert(str(src), ["gguf:Q4_K_M"], tmp_path / "imx",
+                              options={**OPTS, "imatrix": True, "calib": str(calib_text)})
+    model = Checkpoint(src)
+    spec = CalibrationSpec(source=str(calib_text), samples=4, seqlen=32, seed=0)
+    collector = ImatrixCollector(model, torch.device("cpu"))
+    run_capture(model, load_calibration(spec, model).tokens, [collector], device=torch.device("cpu"))
+    importance = collector.result()
+    qtype, got = _tensor_bytes(weighted, "blk.0.ffn_up_exps.weight")
+    names = [f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)]
+    assert sum(n in importance for n in names) >= 2
+    expected = np.concatenate([encoders.quantize(model.tensor(n).float(), qtype, imatrix=importance.get(n)).reshape(-1)
+                               for n in names])
+    assert np.array_equal(got, expected)
+    plain = np.concatenate([encoders.quantize(model.tensor(n).float(), qtype).reshape(-1) for n in names])
+    assert not np.array_equal(got, plain)

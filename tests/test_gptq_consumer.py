@@ -70,6 +70,8 @@ DENSE = {
                           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
     "gemma3": ("gemma3_text", {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3-multimodal": ("gemma3", {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
+                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("phi3", {"pad_token_id": 0}),
 }
 
@@ -89,3 +91,10 @@ def test_every_dense_family_loads_in_transformers_and_agrees(tmp_path, key):
                             options={"calib": str(text), "calib_samples": 8, "calib_seqlen": 64, "device": "cpu"})
     tokens = load_windows(GPTQCheckpoint(folder).tokenizer, text, 64, 4)
     assert _agreement(folder, tokens) >= 0.995, key
+    if model_type == "gemma3":   # the vision tower travels as it is
+        from quantkit.model.checkpoint import Checkpoint
+        source, out = Checkpoint(src), GPTQCheckpoint(folder)
+        beside = source.beside_language_model()
+        assert beside and beside == out.beside_language_model()
+        for name in beside:
+            assert torch.equal(source.tensor(name), out.weights.get(name)), name

@@ -91,6 +91,10 @@ class ModelFolder(Described):
     def embed_weight(self) -> torch.Tensor:
         return self.weights.get(self.adapter.embed)
 
+    def beside_language_model(self) -> list[str]:
+        """Tensors outside the language model (a vision tower and its projector), in file order."""
+        return [n for n in self.weights.entries if not self.adapter.in_language_model(n)]
+
     def final_norm_weight(self) -> torch.Tensor:
         return self.weights.get(self.adapter.final_norm)
 
@@ -115,7 +119,8 @@ class Checkpoint(ModelFolder):
         self.revision = revision
         raw = read_config_json(self.folder)
         self.adapter: ArchAdapter = adapter_for(raw["model_type"])  # refuse unknown families up front
-        self.config = ModelConfig.from_dict(raw, where=str(self.folder / "config.json"))
+        where = str(self.folder / "config.json")
+        self.config = ModelConfig.from_dict(self.adapter.language_config(raw, where), where=where)
         self.weights = SafetensorsCheckpoint(self.folder)
         self._check_layout()
 

@@ -19,7 +19,7 @@ from ...options import RunOptions
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
-from .tensors import gguf_tensors
+from .tensors import expert_count, gguf_tensors
 from .writer import FileJob, tensor_nbytes, write_files
 
 
@@ -71,7 +71,9 @@ class GGUFBackend(Backend):
         try:
             choices = mixtures.plan_types([(t.name, t.ne) for t in tensors], variant.name,
                                           n_layer=cfg.num_layers, n_head=cfg.num_heads, n_head_kv=cfg.num_kv_heads,
-                                          tied_embeddings=model.tied_embeddings, overrides=overrides,
+                                          n_expert=expert_count(model),
+                                          tied_embeddings=all(t.name != "output.weight" for t in tensors),
+                                          overrides=overrides,
                                           pure=settings.pure)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -90,6 +92,11 @@ class GGUFBackend(Backend):
             plan.extra["sliding window"] = (f"llama.cpp runs {model.adapter.gguf_arch} without the checkpoint's "
                                             f"{window}-token sliding window: past {window} tokens its outputs differ "
                                             f"from transformers'")
+        beside = model.beside_language_model()
+        if beside:
+            parts = ", ".join(sorted({n.split(".")[0] + ".*" for n in beside}))
+            plan.extra["left out"] = (f"{len(beside)} tensors beside the language model ({parts}): llama.cpp "
+                                      f"reads a vision tower from a separate mmproj file")
         device = resolve_device(settings.run.device)
         if settings.imatrix:
             plan.extra["importance matrix"] = f"from the calibration pass over {settings.run.calibration_text()}"

@@ -10,6 +10,7 @@ import gguf
 
 from ...errors import SourceError, UsageError
 from ...model.checkpoint import Checkpoint
+from .tensors import moe_op
 
 # llama.cpp picks its pre-tokenizer regex by name; its converter recognises a tokenizer by hashing the ids
 # it gives for this probe text.  Probe and hashes are facts of llama.cpp's converter (conversion/base.py).
@@ -49,6 +50,7 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
     if arch not in ("phi3", "gemma2"):
         w.add_rope_freq_base(rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _add_experts(w, model)
     if arch == "phi3":
         original = rope.param("original_max_position_embeddings") or cfg.raw.get("original_max_position_embeddings")
         w.add_rope_scaling_orig_ctx_len(int(original))
@@ -74,13 +76,26 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
                 w.add_final_logit_softcapping(float(cfg.raw["final_logit_softcapping"]))
             if cfg.raw.get("sliding_window_pattern") != 1 and cfg.raw.get("sliding_window"):
                 w.add_sliding_window(int(cfg.raw["sliding_window"]))
-        if cfg.head_dim != cfg.hidden_size // cfg.num_heads or "head_dim" in cfg.raw:
+        if cfg.head_dim != cfg.hidden_size // cfg.num_heads or cfg.raw.get("head_dim") is not None:
             w.add_key_length(cfg.head_dim)
             w.add_value_length(cfg.head_dim)
         _add_rope_scaling(w, rope)
         if arch == "llama":
             w.add_vocab_size(cfg.vocab_size)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _add_experts(w: gguf.GGUFWriter, model: Checkpoint) -> None:
+    op = moe_op(model, 0)
+    if op is None:
+        return
+    w.add_expert_count(len(op.experts))
+    w.add_expert_used_count(op.top_k)
+    raw = model.config.raw
+    if raw.get("moe_intermediate_size") is not None:            # Qwen's MoE: experts narrower than a dense MLP
+        w.add_expert_feed_forward_length(int(raw["moe_intermediate_size"]))
+    if raw.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(int(raw["shared_expert_intermediate_size"]))
 
 
 def _add_rope_scaling(w: gguf.GGUFWriter, rope) -> None:

@@ -14,11 +14,12 @@ from ...model.checkpoint import Described
 from ...model.config import ModelConfig
 from . import encoders
 from .activations import activation_fn
-from .tensors import ARCHES, NORM_SHIFT, unpermute_qk
+from .tensors import ARCHES, EXPERT_RENORMALIZE, NORM_SHIFT, expert_stacks, unpermute_qk
 
 _KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
          "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
-         "attention.key_length", "vocab_size")
+         "attention.key_length", "vocab_size", "expert_count", "expert_used_count", "expert_feed_forward_length",
+         "expert_shared_feed_forward_length")
 
 
 def open_reader(path: Path) -> gguf.GGUFReader:
@@ -39,8 +40,23 @@ def field_value(reader: gguf.GGUFReader, key: str):
     return f.contents()
 
 
-# the transformers model_type of a GGUF architecture where the names differ
-MODEL_TYPE = {"gemma3": "gemma3_text"}
+# the transformers model_type of a GGUF architecture where the names differ (llama with experts: mixtral)
+MODEL_TYPE = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def _expert_config(arch: str, kv: dict) -> dict:
+    """The config keys of a mixture of experts as llama.cpp runs it: experts in every layer, renormalised or not
+    as the architecture fixes it."""
+    if not kv["expert_count"]:
+        return {}
+    extra = {"num_local_experts": kv["expert_count"], "num_experts": kv["expert_count"],
+             "num_experts_per_tok": kv["expert_used_count"], "norm_topk_prob": EXPERT_RENORMALIZE[arch],
+             "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if kv["expert_feed_forward_length"]:
+        extra["moe_intermediate_size"] = kv["expert_feed_forward_length"]
+    if kv["expert_shared_feed_forward_length"]:
+        extra["shared_expert_intermediate_size"] = kv["expert_shared_feed_forward_length"]
+    return extra
 
 
 def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict, tensor) -> dict:
@@ -88,14 +104,15 @@ class GGUFModel(Described):
         if arch not in ARCHES:
             raise UnsupportedArchitectureError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                                f"supported: {', '.join(ARCHES)}")
-        self.adapter = adapter_for(MODEL_TYPE.get(arch, arch))
         kv = {k: field_value(self.reader, f"{arch}.{k}") for k in _KEYS}
+        model_type = "mixtral" if arch == "llama" and kv["expert_count"] else MODEL_TYPE.get(arch, arch)
+        self.adapter = adapter_for(model_type)
         if kv["embedding_length"] is None or kv["block_count"] is None:
             raise SourceError(f"{path}: missing {arch} hyper-parameters")
         self.tensors = {t.name: t for t in self.reader.tensors}
         n_vocab = int(self.tensors["token_embd.weight"].shape[1])
         heads = kv["attention.head_count"]
-        raw = {"model_type": MODEL_TYPE.get(arch, arch), "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
+        raw = {"model_type": model_type, "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
                "num_attention_heads": heads, "num_key_value_heads": kv["attention.head_count_kv"] or heads,
                "head_dim": kv["attention.key_length"] or kv["embedding_length"] // heads,
                "intermediate_size": kv["feed_forward_length"], "vocab_size": n_vocab,
@@ -104,6 +121,7 @@ class GGUFModel(Described):
                "max_position_embeddings": kv["context_length"] or 2048}
         self.tensors = {t.name: t for t in self.reader.tensors}
         raw.update(_arch_config(self.reader, arch, raw, self.gguf_tensor))
+        raw.update(_expert_config(arch, kv))
         if "rope_freqs.weight" in self.tensors:   # llama3 scaling, stored as one divisor per frequency
             factors = self.gguf_tensor("rope_freqs.weight").flatten().tolist()
             raw["rope_parameters"] = {"rope_type": "factors", "factors": factors, "rope_theta": raw["rope_theta"]}
@@ -153,8 +171,10 @@ class GGUFModel(Described):
             return None
         prefix = self.adapter.prefix(i)
         stored = lambda lin: self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0]
-        return {lin: self._act(self._names.get_name(prefix + stored(lin), try_suffixes=(".weight",)))
-                for lin in self.block(i).linears}
+        stacked = {rel: name for name, parts in expert_stacks(self, i).items() for rel in parts}
+        gguf_name = lambda lin: stacked.get(f"{lin}.weight") or self._names.get_name(prefix + stored(lin),
+                                                                                      try_suffixes=(".weight",))
+        return {lin: self._act(gguf_name(lin)) for lin in self.block(i).linears}
 
     @property
     def head_activation_fn(self):
@@ -164,7 +184,17 @@ class GGUFModel(Described):
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = self.adapter.prefix(i)
-        return self.split_layer(i, lambda rel: self._hf(prefix + rel))
+        in_stack = {rel: (name, e) for name, parts in expert_stacks(self, i).items() for e, rel in enumerate(parts)}
+        stacks: dict[str, torch.Tensor] = {}   # each stacked expert tensor dequantized once per layer
+
+        def get(rel: str) -> torch.Tensor:
+            if rel not in in_stack:
+                return self._hf(prefix + rel)
+            name, e = in_stack[rel]
+            if name not in stacks:
+                stacks[name] = self.gguf_tensor(name)
+            return stacks[name][e]
+        return self.split_layer(i, get)
 
     def embed_weight(self) -> torch.Tensor:
         return self.gguf_tensor("token_embd.weight")

@@ -13,20 +13,30 @@ from ...model.checkpoint import Checkpoint
 from ...model.rope import base_inv_freq
 
 ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
-# llama.cpp's own conventions per architecture (facts of its convert_hf_to_gguf.py): Gemma stores `1 + w` norms
-# with the 1 added, and llama.cpp's gemma2 always ties the output head to the embedding.
+          "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+          "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+# llama.cpp's own conventions per architecture (facts of its convert_hf_to_gguf.py and src/models/*.cpp): Gemma
+# stores `1 + w` norms with the 1 added; llama.cpp's gemma2 always ties the output head to the embedding and its
+# qwen2moe never does (it requires output.weight, so a tied checkpoint's embedding is written there too).
 NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 TIED_ONLY = {"gemma2"}
+UNTIED_ONLY = {"qwen2moe"}
+# Mixture of experts: llama.cpp builds every layer of these architectures with experts, and whether it
+# renormalises the chosen experts' weights is fixed per architecture, not read from the file.
+EXPERT_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+# the stacked expert tensors, one per projection of the experts' gated MLP
+EXPERT_STACKS = (("gate", gguf.MODEL_TENSOR.FFN_GATE_EXP), ("up", gguf.MODEL_TENSOR.FFN_UP_EXP),
+                 ("down", gguf.MODEL_TENSOR.FFN_DOWN_EXP))
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str             # GGUF name, e.g. blk.3.attn_q.weight
-    source: str | None    # HF tensor name it is made from (None: generated, e.g. rope_freqs)
+    source: str | None    # HF tensor name it is made from (None: generated, e.g. rope_freqs; or stacked)
     shape: tuple[int, ...]  # torch order (rows, row_length); GGUF ne is the reverse
     permute_heads: int = 0  # > 0: llama q/k rows reordered for this many heads
     shift: float = 0.0      # added to every value (Gemma's norms: llama.cpp multiplies by w, HF by 1 + w)
+    stack: tuple[str, ...] = ()  # HF tensors stacked along a new first axis (the experts' ffn_*_exps)
 
     @property
     def ne(self) -> tuple[int, ...]:
@@ -47,25 +57,67 @@ def write_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
+def moe_op(model, i: int) -> MoE | None:
+    return next((r.op for r in model.block(i).residuals if isinstance(r.op, MoE)), None)
+
+
+def expert_count(model) -> int:
+    """The number of experts per layer (0 for a dense model): llama-quantize's rules read it."""
+    return max((len(op.experts) for i in range(model.config.num_layers) if (op := moe_op(model, i))), default=0)
+
+
+def expert_stacks(model, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's stacked expert tensors: GGUF name -> the experts' weights (names relative to the layer), in order."""
+    op = moe_op(model, i)
+    if op is None:
+        return {}
+    return {gguf.TENSOR_NAMES[kind].format(bid=i) + ".weight": tuple(f"{getattr(e, role)}.weight" for e in op.experts)
+            for role, kind in EXPERT_STACKS}
+
+
+def _check_experts(model) -> None:
+    """llama.cpp runs what these architectures' code says, whatever the checkpoint's config: refuse a file that it
+    would run differently from the model."""
+    arch, layers = model.adapter.gguf_arch, range(model.config.num_layers)
+    ops = [moe_op(model, i) for i in layers]
+    if not any(ops):
+        return
+    if arch not in EXPERT_RENORMALIZE:
+        raise UnsupportedArchitectureError(f"llama.cpp's {arch} has no mixture-of-experts layers")
+    if not all(ops):
+        dense = [i for i, op in zip(layers, ops) if op is None]
+        raise UnsupportedArchitectureError(f"layers {dense} have a dense MLP (mlp_only_layers / decoder_sparse_step), "
+                                           f"and llama.cpp's {arch} builds experts in every layer")
+    if ops[0].renormalize != EXPERT_RENORMALIZE[arch]:
+        raise UnsupportedArchitectureError(
+            f"llama.cpp's {arch} {'always' if EXPERT_RENORMALIZE[arch] else 'never'} renormalises the chosen experts' "
+            f"weights, and this checkpoint {'does not' if EXPERT_RENORMALIZE[arch] else 'does'} (norm_topk_prob)")
+
+
 def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
     adapter, cfg = model.adapter, model.config
     arch = ARCHES.get(adapter.gguf_arch)
     if arch is None:
         raise UnsupportedArchitectureError(f"no GGUF mapping for the {adapter.family} family")
-    if any(isinstance(r.op, MoE) for i in range(cfg.num_layers) for r in model.block(i).residuals):
-        raise UnsupportedArchitectureError(f"GGUF of mixture-of-experts models ({adapter.family}) is not supported "
-                                           f"yet (llama.cpp stacks the experts into ffn_*_exps tensors)")
+    _check_experts(model)
     name_map = gguf.get_tensor_name_map(arch, cfg.num_layers)
     out: list[GGUFTensor] = []
+    stacked: set[str] = set()
+    for i in range(cfg.num_layers):
+        prefix = adapter.prefix(i)
+        for name, parts in expert_stacks(model, i).items():
+            first = model.weights.entries[prefix + parts[0]]
+            out.append(GGUFTensor(name, None, (len(parts), *first.shape), stack=tuple(prefix + p for p in parts)))
+            stacked.update(prefix + p for p in parts)
     for hf_name, entry in model.weights.entries.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
+        if hf_name.endswith("rotary_emb.inv_freq") or hf_name in stacked or not adapter.in_language_model(hf_name):
+            continue   # a vision tower is llama.cpp's separate mmproj file, not the language model's
         if hf_name == adapter.lm_head and model.tied_embeddings:
             continue
         if hf_name == adapter.lm_head and adapter.gguf_arch in TIED_ONLY:
             raise UnsupportedArchitectureError(f"{hf_name}: llama.cpp's {adapter.gguf_arch} reads the output head from "
                                                f"the embedding, and this checkpoint's head is a separate tensor")
-        name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = name_map.get_name(hf_name.removeprefix(adapter.text_prefix), try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UnsupportedArchitectureError(f"tensor {hf_name} has no GGUF name for {adapter.gguf_arch}")
         heads = 0
@@ -75,6 +127,8 @@ def gguf_tensors(model: Checkpoint) -> list[GGUFTensor]:
             heads = cfg.num_kv_heads
         shift = NORM_SHIFT.get(adapter.gguf_arch, 0.0) if hf_name.endswith("norm.weight") else 0.0
         out.append(GGUFTensor(name, hf_name, tuple(entry.shape), heads, shift))
+    if model.tied_embeddings and adapter.gguf_arch in UNTIED_ONLY:
+        out.append(GGUFTensor("output.weight", adapter.embed, tuple(model.weights.entries[adapter.embed].shape)))
     rope = model.block(0).residuals[0].op.rope
     if rope.kind == "llama3":
         # llama.cpp has no llama3 rope metadata; the per-frequency factors travel as a tensor.
@@ -106,6 +160,8 @@ def load_source(model: Checkpoint, t: GGUFTensor) -> torch.Tensor:
     rope = model.block(0).residuals[0].op.rope
     if t.name.startswith("rope_factors_"):
         return torch.tensor(rope.param(t.name[len("rope_factors_"):-len(".weight")] + "_factor"), dtype=torch.float32)
+    if t.stack:   # one projection of every expert of a layer: a layer's worth of weights, held once
+        return torch.stack([model.tensor(n) for n in t.stack])
     if t.source is None:  # rope_freqs: factor by which llama3 scaling divides each frequency
         return llama3_rope_factors(rope)
     w = model.tensor(t.source)

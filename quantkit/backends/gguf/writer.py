@@ -74,6 +74,19 @@ class _Streamed:
                 out.numpy().tofile(f)
 
 
+def _encode(src: torch.Tensor, t: GGUFTensor, q: gguf.GGMLQuantizationType,
+            imatrix: dict[str, torch.Tensor] | None) -> np.ndarray:
+    if imatrix and t.stack:
+        # like llama-imatrix, one importance vector per expert, from the tokens routed to it; an expert no
+        # calibration token reached has none, and its rows are quantized unweighted
+        rows = src.shape[0] // len(t.stack)
+        parts = [encoders.quantize(src[e * rows:(e + 1) * rows], q, imatrix=imatrix.get(name))
+                 for e, name in enumerate(t.stack)]
+        return np.concatenate(parts).reshape(byte_shape(t, q))
+    weights = imatrix.get(t.source) if imatrix and t.source else None
+    return encoders.quantize(src, q, imatrix=weights).reshape(byte_shape(t, q))
+
+
 def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob], *, name: str,
                 device: torch.device, tokenizer_pre: str | None, progress: Progress,
                 imatrix: dict[str, torch.Tensor] | None = None, imatrix_info: dict | None = None) -> list[Path]:
@@ -120,8 +133,7 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
                 if q not in done and q in _PLAIN:
                     done[q] = _Streamed(src, q, tensor_nbytes(t, q))
                 elif q not in done:
-                    weights = imatrix.get(t.source) if imatrix and t.source else None
-                    done[q] = encoders.quantize(src, q, imatrix=weights).reshape(byte_shape(t, q))
+                    done[q] = _encode(src, t, q, imatrix)
                 w.write_tensor_data(done[q])
                 task.advance()
             del src, done

@@ -37,6 +37,7 @@ def load(folder: Path, backend: str | None = None, dtype=torch.float32):
         raise SourceError(f"{folder}: not a GPTQ checkpoint")
     config = GPTQConfig(bits=q["bits"], group_size=q["group_size"], desc_act=q.get("desc_act", False),
                         sym=q.get("sym", True), format=q.get("format", "gptq"), act_group_aware=False,
+                        block_name_to_quantize=q.get("block_name_to_quantize"),
                         backend=backend or pick_backend(folder, dtype))
     model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype,
                                                  quantization_config=config)

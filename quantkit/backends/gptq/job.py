@@ -147,8 +147,14 @@ class GPTQJob(PassJob):
         self.writer.put(adapter.final_norm, model.final_norm_weight())
         if not model.tied_embeddings:
             self.writer.put(adapter.lm_head, model.lm_head_weight())
+        for name in model.beside_language_model():    # a vision tower stays as it is
+            self.writer.put(name, model.tensor(name))
         files = self.writer.close()
         qconfig = quantization_config(self.settings)
+        if adapter.layers_module:
+            # optimum finds the language model's layers by a name pattern; naming them keeps every consumer off the
+            # vision tower's own stack of layers
+            qconfig["block_name_to_quantize"] = adapter.layers_module
         config = json.loads((model.folder / "config.json").read_text())
         config["quantization_config"] = qconfig
         (self.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -99,4 +99,4 @@ def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
     specs.append(plain(adapter.final_norm))
     if not model.tied_embeddings:
         specs.append(plain(adapter.lm_head))
-    return specs
+    return specs + [plain(n) for n in model.beside_language_model()]

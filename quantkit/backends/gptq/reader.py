@@ -56,7 +56,8 @@ class GPTQCheckpoint(ModelFolder):
         self.v2 = fmt == "gptq_v2"
         raw = json.loads((self.folder / "config.json").read_text())
         self.adapter = adapter_for(raw["model_type"])
-        self.config = ModelConfig.from_dict(raw, where=str(self.folder / "config.json"))
+        where = str(self.folder / "config.json")
+        self.config = ModelConfig.from_dict(self.adapter.language_config(raw, where), where=where)
         self.weights = SafetensorsCheckpoint(self.folder)
         self.name = str(self.folder)
         self.num_layers = self.config.num_layers

@@ -11,7 +11,7 @@ from .base import ArchAdapter
 from . import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3
 
 _FAMILIES: list[ArchAdapter] = [llama.ADAPTER, mistral.ADAPTER, qwen2.ADAPTER, qwen3.ADAPTER, gemma2.ADAPTER,
-                                gemma3.ADAPTER, phi3.ADAPTER, mixtral.ADAPTER, qwen2_moe.QWEN2_MOE, qwen2_moe.QWEN3_MOE]
+                                gemma3.ADAPTER, gemma3.MULTIMODAL, phi3.ADAPTER, mixtral.ADAPTER, qwen2_moe.QWEN2_MOE, qwen2_moe.QWEN3_MOE]
 _BY_TYPE = {t: a for a in _FAMILIES for t in a.model_types}
 GUIDE = "docs/adding-a-family.md"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ...errors import SourceError
 from ..block import Block, ModelPieces, Norm
 from ..config import ModelConfig
 
@@ -32,6 +33,26 @@ class ArchAdapter:
     gguf_arch: str = "llama"
     # Only llama.cpp's "llama" arch permutes q/k rows (HF's rotate-half -> GGML's interleaved RoPE).
     gguf_permute_qk: bool = True
+    # a language model inside a larger checkpoint (Gemma 3's image-text-to-text): the config key of its own config
+    # and the prefix its tensors carry there.  The other tensors (a vision tower) travel unchanged in formats that
+    # store a whole checkpoint (GPTQ) and stay out of text-only ones (GGUF).
+    text_config: str | None = None
+    text_prefix: str = ""
+    # where transformers' model holds the decoder layers, when that differs from the names in the file
+    # (GPTQ's block_name_to_quantize: the stack of layers that is quantized, not the vision tower's)
+    layers_module: str | None = None
+
+    def language_config(self, raw: dict, where: str = "config.json") -> dict:
+        """The config the block descriptions read: the checkpoint's own, or its language model's."""
+        if self.text_config is None:
+            return raw
+        inner = raw.get(self.text_config)
+        if not isinstance(inner, dict):
+            raise SourceError(f"{where}: a {raw.get('model_type')} config without its {self.text_config!r}")
+        return inner
+
+    def in_language_model(self, name: str) -> bool:
+        return name.startswith(self.text_prefix)
 
     def prefix(self, i: int) -> str:
         return self.layer_prefix.format(i=i)

@@ -1,6 +1,12 @@
 """Gemma 3 (text): Gemma 2's block with `1 + w` q/k norms instead of the attention softcap, five sliding layers
 to one global, and a RoPE per layer type — local layers at rope_local_base_freq (10 000) unscaled, global ones
-at rope_theta with the checkpoint's scaling.  transformers ≥ 5 writes both as `rope_parameters[layer_type]`."""
+at rope_theta with the checkpoint's scaling.  transformers ≥ 5 writes both as `rope_parameters[layer_type]`.
+
+The image-text-to-text checkpoints (model_type `gemma3`, Gemma3ForConditionalGeneration) hold the same language
+model under `language_model.` with its config as `text_config`, beside a SigLIP vision tower quantkit leaves as
+it is."""
+from dataclasses import replace
+
 from ..block import Block
 from ..config import ModelConfig
 from .base import ArchAdapter
@@ -32,3 +38,8 @@ ADAPTER = ArchAdapter(family="gemma3", model_types=("gemma3_text",), describe_la
                       rope_by_layer_type=_ropes,
                       unit_offset_norms=True, logit_softcap_key="final_logit_softcapping", gguf_arch="gemma3",
                       gguf_permute_qk=False)
+
+MULTIMODAL = replace(ADAPTER, model_types=("gemma3",), text_config="text_config", text_prefix="language_model.",
+                     layer_prefix="language_model.model.layers.{i}.", embed="language_model.model.embed_tokens.weight",
+                     final_norm="language_model.model.norm.weight", lm_head="language_model.lm_head.weight",
+                     layers_module="model.language_model.layers")
