@@ -76,6 +76,11 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
                 w.add_final_logit_softcapping(float(cfg.raw["final_logit_softcapping"]))
             if cfg.raw.get("sliding_window_pattern") != 1 and cfg.raw.get("sliding_window"):
                 w.add_sliding_window(int(cfg.raw["sliding_window"]))
+                sliding = [model.block(i).residuals[0].op.window is not None for i in range(cfg.num_layers)]
+                if sliding != [i % 6 < 5 for i in range(cfg.num_layers)]:
+                    # llama.cpp makes every sixth layer global unless the file lists them (its converter does not:
+                    # quantkit writes the list where the checkpoint's layer_types differ, so llama.cpp runs them)
+                    w.add_sliding_window_pattern(sliding)
         if cfg.head_dim != cfg.hidden_size // cfg.num_heads or cfg.raw.get("head_dim") is not None:
             w.add_key_length(cfg.head_dim)
             w.add_value_length(cfg.head_dim)

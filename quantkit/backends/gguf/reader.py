@@ -81,6 +81,13 @@ def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict, tensor) -> dict:
     if arch == "gemma2":
         extra["attn_logit_softcapping"] = get("attn_logit_softcapping") or None
         return extra
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None:   # per layer, whether it slides (else llama.cpp's default: every sixth layer global)
+        sliding = pattern.contents()
+        if isinstance(sliding, list):
+            extra["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+        else:
+            extra["sliding_window_pattern"] = int(sliding)
     full = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
     if get("rope.scaling.type") == "linear":
         full = {"rope_type": "linear", "factor": get("rope.scaling.factor"), "rope_theta": raw["rope_theta"]}
