@@ -42,6 +42,14 @@ def test_collector_is_the_mean_square_of_each_linears_input(tiny_gguf_source):
     assert len(got) == model.num_layers * 7  # every linear, no head, no embeddings (as llama-imatrix)
 
 
+def _importance(model, calib_text) -> dict:
+    """The importance matrix of the capture pass over the calibration that OPTS asks for."""
+    spec = CalibrationSpec(source=str(calib_text), samples=4, seqlen=32, seed=0)
+    collector = ImatrixCollector(model, torch.device("cpu"))
+    run_capture(model, load_calibration(spec, model).tokens, [collector], device=torch.device("cpu"))
+    return collector.result()
+
+
 def _tensor_bytes(path, name):
     r = gguf.GGUFReader(str(path))
     t = next(t for t in r.tensors if t.name == name)
@@ -53,10 +61,7 @@ def test_imatrix_file_uses_the_weighted_quantizers(tiny_gguf_source, calib_text,
     (weighted,) = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "imx",
                               options={**OPTS, "imatrix": True, "calib": str(calib_text)})
     model = Checkpoint(tiny_gguf_source)
-    spec = CalibrationSpec(source=str(calib_text), samples=4, seqlen=32, seed=0)
-    collector = ImatrixCollector(model, torch.device("cpu"))
-    run_capture(model, load_calibration(spec, model).tokens, [collector], device=torch.device("cpu"))
-    importance = collector.result()["model.layers.1.mlp.down_proj.weight"]
+    importance = _importance(model, calib_text)["model.layers.1.mlp.down_proj.weight"]
     qtype, got = _tensor_bytes(weighted, "blk.1.ffn_down.weight")
     _, without = _tensor_bytes(plain, "blk.1.ffn_down.weight")
     src = model.tensor("model.layers.1.mlp.down_proj.weight").float()
@@ -99,10 +104,7 @@ def test_each_expert_is_weighted_by_its_own_importance(tmp_path, calib_text):
     (weighted,) = api.convert(str(src), ["gguf:Q4_K_M"], tmp_path / "imx",
                               options={**OPTS, "imatrix": True, "calib": str(calib_text)})
     model = Checkpoint(src)
-    spec = CalibrationSpec(source=str(calib_text), samples=4, seqlen=32, seed=0)
-    collector = ImatrixCollector(model, torch.device("cpu"))
-    run_capture(model, load_calibration(spec, model).tokens, [collector], device=torch.device("cpu"))
-    importance = collector.result()
+    importance = _importance(model, calib_text)
     qtype, got = _tensor_bytes(weighted, "blk.0.ffn_up_exps.weight")
     names = [f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)]
     assert sum(n in importance for n in names) >= 2
