@@ -1,0 +1,165 @@
+"""bitsandbytes' weight encodings in plain torch (CUDA or CPU): 4-bit NF4 / FP4 with a per-block absmax, the
+double quantization of those absmax values, and LLM.int8's row-wise absmax int8.
+
+The layouts and formulas are ../shared/docs/formats/bnb.md §2-3 (facts of bitsandbytes 0.50's
+`quantize_4bit`, `quantize_blockwise` and `int8_vectorwise_quant`); tests/test_bnb_encoders.py holds every
+output to bitsandbytes' own, byte for byte.  The arithmetic follows the reference step for step where the
+bytes depend on it: full blocks are scaled by the reciprocal of their absmax and a partial last block by
+division, a value exactly on a midpoint between two codes takes the lower one, and LLM.int8 rounds the
+weight from float16, as bitsandbytes' Int8Params does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+# the 16 NF4 levels (normal-distribution quantiles scaled to [-1, 1]), ascending; code i is level i
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+# FP4 (e2m1 as bitsandbytes lays it out) in code order: bit 3 is the sign, the magnitudes scaled by 1/12
+FP4 = tuple(v / 12 for v in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0,
+                             -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0))
+BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+NESTED_BLOCK = 256            # double quantization: the absmax values in blocks of 256, 8-bit dynamic codes
+_TINY = 1e-38                 # the reference's floor under a block's absmax when dividing by it
+
+
+@cache
+def code_table(quant_type: str) -> torch.Tensor:
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"4-bit quant type {quant_type!r}: expected nf4 or fp4")
+    return torch.tensor(NF4 if quant_type == "nf4" else FP4, dtype=torch.float32)
+
+
+@cache
+def dynamic_map() -> torch.Tensor:
+    """The signed 8-bit dynamic code (256 values, ascending): for each decade 10^-6 … 10^0, the midpoints of an
+    even split of [0.1, 1] into 2^k parts (k = 0 … 6 from the smallest decade up), both signs, plus 0 and 1."""
+    values: list[float] = []
+    for k in range(7):
+        edges = torch.linspace(0.1, 1, 2 ** k + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        scale = 10 ** (k - 6)
+        values += (scale * mids).tolist() + (-scale * mids).tolist()
+    return torch.tensor(values + [0.0, 1.0], dtype=torch.float32).sort().values
+
+
+def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Index into `table` of the level nearest each value (a tie goes to the lower level)."""
+    order = torch.argsort(table)
+    levels = table[order]
+    bounds = (levels[:-1] + levels[1:]) / 2
+    return order.to(scaled.device)[torch.bucketize(scaled, bounds.to(scaled.device), out_int32=True).long()]
+
+
+def _blockwise(flat: torch.Tensor, blocksize: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int64, one per value) and per-block absmax (float32) of a flat float32 tensor."""
+    n = flat.numel()
+    full = n - n % blocksize
+    body = flat[:full].reshape(-1, blocksize)
+    absmax = body.abs().amax(dim=1) if full else flat.new_zeros(0)
+    scaled = torch.clamp(body * (1.0 / absmax.clamp(min=_TINY)[:, None]), -1, 1).reshape(-1)
+    if full < n:
+        tail_max = flat[full:].abs().max().clamp(min=_TINY)
+        absmax = torch.cat([absmax, tail_max[None]])
+        scaled = torch.cat([scaled, torch.clamp(flat[full:] / tail_max, -1, 1)])
+    return _nearest(scaled, table.to(flat.device)), absmax
+
+
+_LUT_BINS = 65536
+
+
+@cache
+def _lookup_table(code: tuple[float, ...]) -> torch.Tensor:
+    """For each of 65536 even steps across [-1, 1], the index of the nearest code (a step on a midpoint: the lower)."""
+    levels = torch.tensor(code, dtype=torch.float32)
+    mids = 0.5 * (levels[:-1] + levels[1:])
+    steps = -1.0 + (2.0 * torch.arange(_LUT_BINS, dtype=torch.float32)) / (_LUT_BINS - 1)
+    return torch.searchsorted(mids, steps).to(torch.uint8)
+
+
+def _blockwise_by_table(flat: torch.Tensor, blocksize: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes (uint8) and per-block absmax as bitsandbytes' CPU kernel makes them for the absmax values: the
+    value × 1/absmax is rounded to one of 65536 steps across [-1, 1] and the step's nearest code taken, so a value
+    within half a step of a midpoint between codes can take the farther one; an all-zero block is all code 0."""
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, -n % blocksize)).reshape(-1, blocksize)
+    absmax = padded.abs().amax(dim=1)
+    inv = torch.where(absmax > 0, 1.0 / absmax, 0.0)   # a zero block's codes are set below
+    scaled = torch.clamp(padded * inv[:, None], -1.0, 1.0)
+    step = ((scaled + 1.0) * 0.5 * (_LUT_BINS - 1) + 0.5).to(torch.int64)   # truncation, as the C cast
+    codes = _lookup_table(tuple(table.tolist())).to(flat.device)[step]
+    codes[absmax == 0] = 0
+    return codes.reshape(-1)[:n], absmax
+
+
+@dataclass
+class Packed4bit:
+    """One weight in bitsandbytes' 4-bit layout (the tensors Linear4bit saves, before their key names)."""
+    weight: torch.Tensor                        # uint8 (ceil(n / 2), 1): two codes per byte, the first high
+    absmax: torch.Tensor                        # float32 per block, or uint8 codes under double quantization
+    quant_map: torch.Tensor                     # float32 (16,)
+    nested_absmax: torch.Tensor | None = None   # double quantization: float32 per 256 absmax values
+    nested_offset: float | None = None          # … and the mean subtracted before coding them
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_absmax is not None
+
+
+def quantize_4bit(w: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64,
+                  double_quant: bool = False) -> Packed4bit:
+    """The row-major flattened weight in blocks of `blocksize`, each scaled by its absmax to [-1, 1] and coded by
+    the nearest of the 16 levels."""
+    if blocksize not in BLOCK_SIZES:
+        raise ValueError(f"4-bit block size {blocksize}: expected one of {', '.join(map(str, BLOCK_SIZES))}")
+    table = code_table(quant_type)
+    codes, absmax = _blockwise(w.reshape(-1).float(), blocksize, table)
+    if codes.numel() % 2:   # the last byte's low nibble: the code of 0
+        codes = torch.cat([codes, _nearest(codes.new_zeros(1, dtype=torch.float32), table.to(codes.device))])
+    codes = codes.to(torch.uint8)
+    packed = ((codes[0::2] << 4) | codes[1::2])[:, None]
+    if not double_quant:
+        return Packed4bit(packed, absmax, table.to(w.device))
+    offset = absmax.mean()
+    nested_codes, nested_absmax = _blockwise_by_table(absmax - offset, NESTED_BLOCK, dynamic_map())
+    return Packed4bit(packed, nested_codes, table.to(w.device), nested_absmax, offset.item())
+
+
+def block_scales(p: Packed4bit) -> torch.Tensor:
+    """Each block's absmax in float32 (decoded from its 8-bit code under double quantization)."""
+    if not p.double_quant:
+        return p.absmax
+    code = dynamic_map().to(p.absmax.device)[p.absmax.long()]
+    per_value = p.nested_absmax.repeat_interleave(NESTED_BLOCK)[:code.numel()]
+    return code * per_value + p.nested_offset
+
+
+def dequantize_4bit(p: Packed4bit, shape: tuple[int, ...], blocksize: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight of `shape`: level × its block's absmax in float32, then cast to `dtype` (bitsandbytes casts to
+    the weight's original dtype)."""
+    n = 1
+    for d in shape:
+        n *= d
+    packed = p.weight.reshape(-1)
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:n].long()
+    values = p.quant_map[codes]
+    scales = block_scales(p).repeat_interleave(blocksize)[:n]
+    return (values * scales).reshape(shape).to(dtype)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLM.int8's weight: per row, SCB = absmax (float32) and CB = round(127 · w / SCB) as int8, from the weight in
+    float16 (what bitsandbytes quantizes)."""
+    half = w.to(torch.float16)
+    scb = half.abs().amax(dim=1).float()
+    cb = torch.round(half * (127.0 / scb[:, None])).to(torch.int8)
+    return cb, scb
+
+
+def dequantize_int8(cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    return cb.float() * (scb[:, None] / 127.0)
