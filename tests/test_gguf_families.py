@@ -149,10 +149,12 @@ def test_f16_and_q4_k_m_run_in_llama_cpp_as_quantkit_reads_them(tmp_path, family
             assert ppl_theirs == pytest.approx(evaluate(mine, tokens).perplexity, rel=0.005)
 
 
-@pytest.mark.parametrize("key", ["gemma2", "gemma3", "llama", "llama3-rope", "phi3", "phi3-longrope", "mixtral",
-                                 "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("key", ["gemma2", "gemma3", "gemma3-layer-types", "llama", "llama3-rope", "phi3",
+                                 "phi3-longrope", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_quantkit_reads_its_f32_file_as_the_source(tmp_path, family_source, key):
-    """The reader undoes what the writer did (Gemma's +1 norms, the tied head, llama's q/k order)."""
+    """The reader undoes what the writer did (Gemma's +1 norms, the tied head, llama's q/k order) and reads back
+    what llama.cpp reads (Gemma 3's listed global layers): with the llama.cpp test above, llama.cpp runs the
+    checkpoint's model."""
     src = family_source(key)
     (path,) = api.convert(str(src), ["gguf:F32"], tmp_path / "out", options={"tokenizer_pre": "gpt-2"})
     tokens = torch.randint(0, 320, (2, CTX), generator=torch.Generator().manual_seed(0))
