@@ -1,0 +1,61 @@
+"""quantkit's GPTQ wall time at two commits of this repository, taking turns, on the same machine and input:
+whether a change made the calibrated path slower, apart from the machine's own drift (the GPTQModel benchmark's
+ratio moves with both).
+
+    python bench/gptq_two_commits.py OLD_COMMIT [NEW_COMMIT=working tree] [--rounds 2] [--variant 4bit-g128]
+
+Each commit runs from its own `git worktree` (in bench/_work/commits); the demo model, wikitext-2 valid
+128 × 512 calibration, seed 0, CPU.  Prints each run and the medians; writes nothing under bench/results.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "_work" / "commits"
+CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
+CONVERT = ("import sys; from quantkit import api; api.convert('demo:smollm2-135m', ['gptq:' + sys.argv[1]], sys.argv[2], "
+           "options={'calib': sys.argv[3], 'calib_samples': 128, 'calib_seqlen': 512, 'seed': 0, 'device': 'cpu'})")
+
+
+def checkout(commit: str | None) -> Path:
+    if commit is None:
+        return ROOT
+    tree = WORK / commit
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(tree), commit], check=True)
+    return tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("old")
+    ap.add_argument("new", nargs="?")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variant", default="4bit-g128")
+    args = ap.parse_args()
+    trees = {args.old: checkout(args.old), args.new or "working tree": checkout(args.new)}
+    times: dict[str, list[float]] = {name: [] for name in trees}
+    for r in range(args.rounds):
+        for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+            out = WORK / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", CONVERT, args.variant, str(out), str(CALIB)], cwd=trees[name],
+                           env={**os.environ, "PYTHONPATH": str(trees[name])}, check=True, capture_output=True)
+            times[name].append(round(time.perf_counter() - t, 1))
+            print(f"{name}: {times[name][-1]} s", flush=True)
+    for name, ts in times.items():
+        print(f"{name}: median {median(ts):.1f} s of {ts}")
+
+
+if __name__ == "__main__":
+    main()
