@@ -19,7 +19,7 @@ from ...options import RunOptions
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
-from .tensors import expert_count, gguf_tensors
+from .tensors import expert_count, gguf_tensors, sliding_layers
 from .writer import FileJob, tensor_nbytes, write_files
 
 
@@ -86,7 +86,7 @@ class GGUFBackend(Backend):
         plan = Plan("gguf", variant.name, str(path), rows)
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
-        windowed = [i for i in range(cfg.num_layers) if model.block(i).residuals[0].op.window is not None]
+        windowed = [i for i, slides in enumerate(sliding_layers(model)) if slides]
         if windowed and model.adapter.gguf_arch in ("llama", "phi3"):
             window = model.block(windowed[0]).residuals[0].op.window
             plan.extra["sliding window"] = (f"llama.cpp runs {model.adapter.gguf_arch} without the checkpoint's "

@@ -10,7 +10,7 @@ import gguf
 
 from ...errors import SourceError, UsageError
 from ...model.checkpoint import Checkpoint
-from .tensors import moe_op
+from .tensors import moe_op, sliding_layers
 
 # llama.cpp picks its pre-tokenizer regex by name; its converter recognises a tokenizer by hashing the ids
 # it gives for this probe text.  Probe and hashes are facts of llama.cpp's converter (conversion/base.py).
@@ -76,7 +76,7 @@ def add_hparams(w: gguf.GGUFWriter, model: Checkpoint, name: str) -> None:
                 w.add_final_logit_softcapping(float(cfg.raw["final_logit_softcapping"]))
             if cfg.raw.get("sliding_window_pattern") != 1 and cfg.raw.get("sliding_window"):
                 w.add_sliding_window(int(cfg.raw["sliding_window"]))
-                sliding = [model.block(i).residuals[0].op.window is not None for i in range(cfg.num_layers)]
+                sliding = sliding_layers(model)
                 if sliding != [i % 6 < 5 for i in range(cfg.num_layers)]:
                     # llama.cpp makes every sixth layer global unless the file lists them (its converter does not:
                     # quantkit writes the list where the checkpoint's layer_types differ, so llama.cpp runs them)

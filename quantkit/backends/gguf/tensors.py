@@ -61,6 +61,11 @@ def moe_op(model, i: int) -> MoE | None:
     return next((r.op for r in model.block(i).residuals if isinstance(r.op, MoE)), None)
 
 
+def sliding_layers(model) -> list[bool]:
+    """Per layer, whether its attention slides over a window."""
+    return [model.block(i).residuals[0].op.window is not None for i in range(model.config.num_layers)]
+
+
 def expert_count(model) -> int:
     """The number of experts per layer (0 for a dense model): llama-quantize's rules read it."""
     return max((len(op.experts) for i in range(model.config.num_layers) if (op := moe_op(model, i))), default=0)
