@@ -21,7 +21,11 @@ from statistics import median
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work" / "commits"
 CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
-CONVERT = ("import sys; from quantkit import api; api.convert('demo:smollm2-135m', ['gptq:' + sys.argv[1]], sys.argv[2], "
+# Each commit sees only its own built-in formats: the installed entry points are the working tree's, and may name a
+# format an older commit does not have.
+CONVERT = ("import sys, importlib.metadata as md; everything = md.entry_points; "
+           "md.entry_points = lambda **k: [] if k.get('group') == 'quantkit.backends' else everything(**k); "
+           "from quantkit import api; api.convert('demo:smollm2-135m', ['gptq:' + sys.argv[1]], sys.argv[2], "
            "options={'calib': sys.argv[3], 'calib_samples': 128, 'calib_seqlen': 512, 'seed': 0, 'device': 'cpu'})")
 
 
