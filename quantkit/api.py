@@ -66,9 +66,9 @@ RUNTIMES = ("quantkit", "llama.cpp", "transformers")
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
              device: str | None = None, runtime: str = "quantkit", activations: str = "exact",
              progress: Progress = null_progress) -> EvalResult:
-    """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; "llama.cpp"
-    runs a GGUF file in llama.cpp itself, "transformers" a GPTQ folder in transformers + GPTQModel (the base
-    model, if any, always runs in quantkit).
+    """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; another runtime
+    runs the artifact in the runtime its format names (llama.cpp for GGUF; transformers + GPTQModel for GPTQ,
+    transformers + bitsandbytes for bnb); the base model, if any, always runs in quantkit.
     activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul."""
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
@@ -76,17 +76,12 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
     model = open_any(spec, base=base_model, activations=activations)
     tokens = load_windows((base_model or model).tokenizer, Path(data), ctx, windows)
     logits = None
-    if runtime == "llama.cpp":
-        from .backends.gguf import llamacpp
-        if not str(spec).endswith(".gguf"):
-            raise UsageError("--runtime llama.cpp evaluates .gguf files")
-        logits = llamacpp.window_logits(Path(spec), tokens)
-    elif runtime == "transformers":
-        from .backends.gptq import consumer
-        from .backends.gptq.reader import read_quantization_config
-        if not Path(spec).is_dir() or read_quantization_config(Path(spec)) is None:
-            raise UsageError("--runtime transformers evaluates GPTQ folders")
-        logits = consumer.window_logits(Path(spec), tokens)
+    if runtime != "quantkit":
+        backend = backend_for_artifact(Path(spec)) if Path(spec).exists() else None
+        if backend is None or runtime not in backend.runtimes:
+            loads = {r: [b.name for b in registered_backends().values() if r in b.runtimes] for r in RUNTIMES[1:]}
+            raise UsageError(f"--runtime {runtime} runs {', '.join(loads[runtime])} artifacts; {spec} is not one")
+        logits = backend.runtime_logits(Path(spec), runtime, tokens)
     return _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
                      progress=progress, model_logits=logits)
 

@@ -91,7 +91,7 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
              windows: int = typer.Option(40, "--windows", help="Number of non-overlapping windows."),
              device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
              runtime: str = typer.Option("quantkit", "--runtime",
-                                         help="quantkit (own dequantization), llama.cpp (GGUF in llama.cpp) or transformers (GPTQ in transformers + GPTQModel)."),
+                                         help="quantkit (own dequantization), llama.cpp (GGUF in llama.cpp) or transformers (GPTQ in transformers + GPTQModel, bnb in transformers + bitsandbytes)."),
              activations: str = typer.Option("exact", "--activations",
                                              help="exact, or llama.cpp: round activations as llama.cpp does (GGUF)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
@@ -154,6 +154,8 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             damp_step: Optional[float] = typer.Option(None, "--damp-step", help="GPTQ: added to --damp while Cholesky fails (default 0.01; 0 = never)."),
             mse: Optional[bool] = typer.Option(None, "--mse/--no-mse", help="GPTQ: search a shrunk grid range per group."),
             gptq_block_size: Optional[int] = typer.Option(None, "--gptq-block-size", help="GPTQ: columns per lazy-batch block (default 128)."),
+            bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="bnb 4-bit: bfloat16, float16 or float32 (default: the source's dtype)."),
+            skip_modules: List[str] = typer.Option([], "--skip-modules", help="bnb: module name or pattern left unconverted, repeatable (replaces transformers' defaults; lm_head is always kept)."),
             max_shard_size: float = typer.Option(4.0, "--max-shard-size", help="Largest safetensors shard, GiB."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
             as_json: bool = typer.Option(False, "--json", help="Print a JSON summary.")):
@@ -167,6 +169,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
                "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
                "damp": damp, "damp_step": damp_step, "mse": mse, "gptq_block_size": gptq_block_size,
+               "bnb_compute_dtype": bnb_compute_dtype, "skip_modules": skip_modules,
                "max_shard_bytes": int(max_shard_size * 2**30)}
     if dry_run:
         plans = api.plan(model, fmt, output, options)

@@ -115,9 +115,17 @@ class Backend:
     def describe_artifact(self, path: Path) -> dict:
         raise NotImplementedError
 
+    # runtimes other than quantkit's own reader that load this format's artifacts (for eval --runtime, verify)
+    runtimes: tuple[str, ...] = ()
+
+    def runtime_logits(self, path: Path, runtime: str, tokens):
+        """Each window's logits (ctx, vocab) from `runtime` (one of `runtimes`) running the artifact."""
+        raise NotImplementedError
+
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.
-BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND"}
+BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND",
+           "bnb": "quantkit.backends.bnb:BACKEND"}
 
 
 def _load_builtin(ref: str) -> Backend:

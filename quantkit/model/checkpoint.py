@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -78,6 +79,16 @@ class Described:
         return out
 
 
+@dataclass(frozen=True)
+class StoredLinear:
+    """A decoder layer's linear as the checkpoint stores it: formats quantize these (Phi-3's joined qkv_proj once)."""
+    name: str          # full name without ".weight"
+    in_features: int
+    out_features: int
+    bias: bool
+    parts: tuple[str, ...] = ()   # the block's linears it stores, in row order (names relative to the layer)
+
+
 class ModelFolder(Described):
     """What every model folder quantkit reads shares: an adapter naming the tensors, safetensors `weights`,
     and the tensors outside the decoder layers (a base for source checkpoints and quantized artifacts)."""
@@ -94,6 +105,24 @@ class ModelFolder(Described):
     def beside_language_model(self) -> list[str]:
         """Tensors outside the language model (a vision tower and its projector), in file order."""
         return [n for n in self.weights.entries if not self.adapter.in_language_model(n)]
+
+    @cached_property
+    def stored_linears(self) -> list[list[StoredLinear]]:
+        """Per decoder layer, its linears as stored (joined ones once), in the order the block runs them."""
+        layers = []
+        for i in range(self.num_layers):
+            prefix = self.adapter.prefix(i)
+            row: dict[str, list[str]] = {}
+            for lin in self.block(i).linears:
+                stored = self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
+                row.setdefault(stored, []).append(lin)
+            shapes = []
+            for stored, parts in row.items():
+                e = self.weights.entries[f"{prefix}{stored}.weight"]
+                shapes.append(StoredLinear(f"{prefix}{stored}", e.shape[1], e.shape[0],
+                                           f"{prefix}{stored}.bias" in self.weights, tuple(parts)))
+            layers.append(shapes)
+        return layers
 
     def final_norm_weight(self) -> torch.Tensor:
         return self.weights.get(self.adapter.final_norm)

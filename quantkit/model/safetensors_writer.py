@@ -4,6 +4,11 @@ Every tensor's name, dtype and shape are known from the plan before any is compu
 the shard split are fixed up front and each tensor is written at its final offset as soon as it exists:
 nothing is held back in memory.  Files are named as transformers names them (`model.safetensors`, or
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`).
+
+A few small tensors cannot be sized before their weight is seen (bitsandbytes' quant-state JSON holds a
+decimal whose digits depend on the data).  Such a spec is `late`: its shape is an estimate, it is placed
+after the other tensors of its shard, held in memory when put, and written at close, when the header is
+rewritten in the room reserved for it (safetensors allows a header padded with spaces).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from .safetensors_reader import DTYPES
 
 CODES = {v: k for k, v in DTYPES.items()}
 ALIGN = 8  # safetensors pads the header so data starts 8-byte aligned
+LATE_HEADER_ROOM = 32  # header bytes reserved per late tensor, for its real shape and offsets
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    late: bool = False      # the shape is an estimate; the tensor is sized when it is put
 
     @property
     def nbytes(self) -> int:
@@ -48,24 +55,35 @@ class ShardedSafetensorsWriter:
             size += spec.nbytes
         n = len(shards)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.metadata = {"format": "pt", **(metadata or {})}
         self.where: dict[str, tuple[Path, int, TensorSpec]] = {}
+        self.shards: dict[Path, list[TensorSpec]] = {}
         self.files: list[tuple[Path, bytes, int]] = []
         for fname, shard in zip(names, shards):
-            header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
-            offset = 0
-            for spec in shard:
-                header[spec.name] = {"dtype": CODES[spec.dtype], "shape": list(spec.shape),
-                                     "data_offsets": [offset, offset + spec.nbytes]}
-                offset += spec.nbytes
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % ALIGN)
+            shard = [sp for sp in shard if not sp.late] + [sp for sp in shard if sp.late]
             path = self.folder / fname
+            header = self._header(shard)
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (LATE_HEADER_ROOM * sum(sp.late for sp in shard))
+            raw += b" " * (-len(raw) % ALIGN)
             base = 8 + len(raw)
             for spec in shard:
                 self.where[spec.name] = (path, base + header[spec.name]["data_offsets"][0], spec)
-            self.files.append((path, raw, base + offset))
+            self.shards[path] = shard
+            self.files.append((path, raw, base + sum(sp.nbytes for sp in shard)))
         self.pending = set(self.where)
+        self.late: dict[str, torch.Tensor] = {}
         self._fds: dict[Path, int] = {}
+
+    def _header(self, shard: list[TensorSpec], shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+        header: dict = {"__metadata__": self.metadata}
+        offset = 0
+        for spec in shard:
+            spec = TensorSpec(spec.name, spec.dtype, (shapes or {}).get(spec.name, spec.shape))
+            header[spec.name] = {"dtype": CODES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        return header
 
     def open(self) -> None:
         for path, raw, total in self.files:
@@ -77,6 +95,10 @@ class ShardedSafetensorsWriter:
     def put(self, name: str, tensor: torch.Tensor) -> None:
         path, offset, spec = self.where[name]
         t = tensor.detach().to("cpu").contiguous()
+        if spec.late and t.dtype == spec.dtype and t.dim() == len(spec.shape):
+            self.late[name] = t
+            self.pending.discard(name)
+            return
         if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
             raise ValueError(f"{name}: planned {spec.dtype} {spec.shape}, got {t.dtype} {tuple(t.shape)}")
         data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -90,16 +112,39 @@ class ShardedSafetensorsWriter:
         if self.pending:
             missing = sorted(self.pending)
             raise RuntimeError(f"tensors never written: {', '.join(missing[:3])}")
+        self._write_late()
         for fd in self._fds.values():
             os.fsync(fd)
             os.close(fd)
         self._fds.clear()
         paths = [p for p, _, _ in self.files]
         if len(paths) > 1:
-            index = {"metadata": {"total_size": sum(s.nbytes for _, _, s in self.where.values())},
+            sizes = {name: t.numel() * t.element_size() for name, t in self.late.items()}
+            index = {"metadata": {"total_size": sum(sizes.get(n, s.nbytes) for n, (_, _, s) in self.where.items())},
                      "weight_map": {name: p.name for name, (p, _, _) in sorted(self.where.items())}}
             (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return paths
+
+    def _write_late(self) -> None:
+        """Late tensors go after their shard's others, and the header is rewritten with their real shapes."""
+        for path, raw, _ in self.files:
+            shard = self.shards[path]
+            late = [sp for sp in shard if sp.late]
+            if not late:
+                continue
+            header = self._header(shard, {sp.name: tuple(self.late[sp.name].shape) for sp in late})
+            text = json.dumps(header, separators=(",", ":")).encode()
+            if len(text) > len(raw):
+                raise RuntimeError(f"{path.name}: the header outgrew the room reserved for it")
+            fd, base = self._fds[path], 8 + len(raw)
+            os.pwrite(fd, text + b" " * (len(raw) - len(text)), 8)
+            end = base + header[late[0].name]["data_offsets"][0]
+            for sp in late:
+                data = self.late[sp.name].view(torch.uint8).numpy().tobytes()
+                if os.pwrite(fd, data, end) != len(data):
+                    raise OSError(28, "short write")
+                end += len(data)
+            os.ftruncate(fd, end)
 
     def abort(self) -> None:
         for fd in self._fds.values():

@@ -19,9 +19,10 @@ import torch
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
-# FP4 (e2m1 as bitsandbytes lays it out) in code order: bit 3 is the sign, the magnitudes scaled by 1/12
+# FP4 (e2m1 as bitsandbytes lays it out) in code order: bit 3 is the sign, the magnitudes scaled by 1/12.  Code 8
+# ("negative zero") is +0.0 in bitsandbytes' table, and the stored quant_map carries those bytes
 FP4 = tuple(v / 12 for v in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0,
-                             -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0))
+                             0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0))
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 NESTED_BLOCK = 256            # double quantization: the absmax values in blocks of 256, 8-bit dynamic codes
 _TINY = 1e-38                 # the reference's floor under a block's absmax when dividing by it
@@ -161,5 +162,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cb, scb
 
 
+INV_127 = 7.874015718698502e-3   # bitsandbytes multiplies by this reciprocal rather than dividing by 127
+
+
 def dequantize_int8(cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
-    return cb.float() * (scb[:, None] / 127.0)
+    """CB · SCB · (1/127) in float32, in bitsandbytes' order of operations (so the float32 values are its own)."""
+    return cb.float() * scb[:, None] * INV_127

@@ -139,6 +139,12 @@ class GGUFBackend(Backend):
     def describe_artifact(self, path: Path) -> dict:
         return describe(Path(path))
 
+    runtimes = ("llama.cpp",)
+
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+        from . import llamacpp
+        return llamacpp.window_logits(Path(path), tokens)
+
 
 def _refuse_impossible_overrides(tensors, overrides) -> None:
     """llama-quantize silently swaps an override that does not fit a tensor's rows for a fallback type;

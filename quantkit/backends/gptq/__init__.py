@@ -17,7 +17,7 @@ from ...options import RunOptions
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings
 from .job import GPTQJob
-from .layout import check_linear, checkpoint_specs, group_count, model_linears
+from .layout import check_linear, checkpoint_specs, group_count
 from .reader import GPTQCheckpoint, describe, read_quantization_config
 
 FLAG_KEYS = {"act_order": "act_order", "static_groups": "static_groups", "group_aware": "group_aware", "sym": "sym", "damp": "damp",
@@ -49,7 +49,7 @@ def describe_settings(s: GPTQSettings, rtn: bool) -> str:
 
 def consumer_notes(model, s: GPTQSettings) -> list[str]:
     notes: list[str] = []
-    for row in model_linears(model):
+    for row in model.stored_linears:
         for lin in row:
             for n in check_linear(lin, s):
                 if n not in notes:
@@ -93,7 +93,7 @@ class GPTQBackend(Backend):
         kind = describe_settings(s, rtn)
         rows: list[PlanRow] = []
         specs = {sp.name: sp for sp in checkpoint_specs(model, s)}
-        quantized = {lin.name: lin for row in model_linears(model) for lin in row}
+        quantized = {lin.name: lin for row in model.stored_linears for lin in row}
         for name, sp in specs.items():
             base, _, leaf = name.rpartition(".")
             if base in quantized:
@@ -138,6 +138,12 @@ class GPTQBackend(Backend):
     def describe_artifact(self, path: Path) -> dict:
         return describe(Path(path))
 
+    runtimes = ("transformers",)
+
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+        from . import consumer
+        return consumer.window_logits(Path(path), tokens)
+
 
 def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> str:
     cfg = model.config
@@ -158,7 +164,7 @@ def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) ->
 def _time_estimate(model: Checkpoint, tokens: int, rtn: bool, device: torch.device) -> float:
     """Matmul throughput probed here × the pass's FLOPs, plus the column loop's per-column cost."""
     params = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-    columns = sum(lin.in_features for lin in model_linears(model)[0])
+    columns = sum(lin.in_features for lin in model.stored_linears[0])
     per_column = 40e-6 if device.type == "cpu" else 60e-6
     loop = columns * per_column * model.num_layers
     if rtn:

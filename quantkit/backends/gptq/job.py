@@ -10,7 +10,6 @@ zeros as they are), which GPTQModel and transformers + GPTQModel read.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -18,20 +17,15 @@ from pathlib import Path
 import torch
 
 from ... import __version__
-from ...artifact import sha256_file
 from ...calibration.context import LayerContext
 from ...calibration.jobs import PassJob
 from ...calibration.stats import HessianAccumulator
 from ...model.block import InputGroup
 from ...model.safetensors_writer import ShardedSafetensorsWriter
+from ..hf_folder import write_side_files
 from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
-from .layout import checkpoint_specs, model_linears
+from .layout import checkpoint_specs
 from .packing import pack, pack_zeros
-
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                "generation_config.json")
-
 
 def quantization_config(s: GPTQSettings) -> dict:
     """The dict transformers (config.json), GPTQModel and vLLM (either file) read."""
@@ -56,7 +50,7 @@ class GPTQJob(PassJob):
         self.folder, self.device, self.calibration = Path(folder), device, calibration
         self.label = f"gptq:{variant}"
         self.notes = notes or []
-        self.layer_linears = model_linears(model)
+        self.layer_linears = model.stored_linears
         self.linears = {lin.name: lin for row in self.layer_linears for lin in row}
         self.writer = ShardedSafetensorsWriter(self.folder, checkpoint_specs(model, settings), max_shard_bytes)
         self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
@@ -155,24 +149,15 @@ class GPTQJob(PassJob):
             # optimum finds the language model's layers by a name pattern; naming them keeps every consumer off the
             # vision tower's own stack of layers
             qconfig["block_name_to_quantize"] = adapter.layers_module
-        config = json.loads((model.folder / "config.json").read_text())
-        config["quantization_config"] = qconfig
-        (self.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (self.folder / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")
-        for name in COPIED_FILES:
-            if (model.folder / name).exists():
-                shutil.copyfile(model.folder / name, self.folder / name)
-        info = {
-            "quantkit_version": __version__, "format": "gptq", "variant": self.variant,
+        write_side_files(model, self.folder, qconfig, {
+            "format": "gptq", "variant": self.variant,
             "method": "round-to-nearest" if self.rtn else "gptq", "settings": asdict(self.settings),
-            "source": {"model": model.name, "revision": model.revision},
             "calibration": self.calibration.to_json() if self.calibration is not None else None,
             "consumers": self.notes,
             "seconds": round(time.time() - self.started, 2),
             "layers": self.layer_log,
-            "files": {p.name: sha256_file(p) for p in files},
-        }
-        (self.folder / "quantkit.json").write_text(json.dumps(info, indent=2) + "\n")
+        }, files)
         return self.folder
 
     def abort(self) -> None:

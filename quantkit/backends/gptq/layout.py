@@ -7,30 +7,21 @@ layout — and the dry-run's sizes — are known before anything is quantized.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ...errors import UsageError
+from ...model.checkpoint import StoredLinear
 from ...model.safetensors_reader import DTYPES
 from ...model.safetensors_writer import TensorSpec
 from .algorithm import GPTQSettings
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    name: str          # full HF name without ".weight", as stored (Phi-3's joined qkv_proj / gate_up_proj)
-    in_features: int   # K
-    out_features: int  # N
-    bias: bool
-    parts: tuple[str, ...] = ()   # the block's linears it stores, in row order (relative names)
 
 
 def group_count(k: int, s: GPTQSettings) -> int:
     return 1 if s.group_size == -1 else math.ceil(k / s.group_size)
 
 
-def quantized_specs(lin: LinearShape, s: GPTQSettings) -> list[TensorSpec]:
+def quantized_specs(lin: StoredLinear, s: GPTQSettings) -> list[TensorSpec]:
     k, n, b = lin.in_features, lin.out_features, s.bits
     g = group_count(k, s)
     specs = [TensorSpec(f"{lin.name}.qweight", torch.int32, (k * b // 32, n)),
@@ -42,7 +33,7 @@ def quantized_specs(lin: LinearShape, s: GPTQSettings) -> list[TensorSpec]:
     return specs
 
 
-def check_linear(lin: LinearShape, s: GPTQSettings) -> list[str]:
+def check_linear(lin: StoredLinear, s: GPTQSettings) -> list[str]:
     """Refuse shapes GPTQ cannot store; return notes on consumers that will not load the result."""
     k, n = lin.in_features, lin.out_features
     if k % 32 or n % 32:
@@ -58,25 +49,6 @@ def check_linear(lin: LinearShape, s: GPTQSettings) -> list[str]:
     return notes
 
 
-def model_linears(model) -> list[list[LinearShape]]:
-    """Per decoder layer, its linears as the checkpoint stores them (joined ones once), in true-sequential order."""
-    adapter, weights = model.adapter, model.weights
-    layers = []
-    for i in range(model.num_layers):
-        prefix = adapter.prefix(i)
-        row: dict[str, list[str]] = {}
-        for lin in model.block(i).linears:
-            stored = model.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
-            row.setdefault(stored, []).append(lin)
-        shapes = []
-        for stored, parts in row.items():
-            e = weights.entries[f"{prefix}{stored}.weight"]
-            shapes.append(LinearShape(f"{prefix}{stored}", e.shape[1], e.shape[0], f"{prefix}{stored}.bias" in weights,
-                                      tuple(parts)))
-        layers.append(shapes)
-    return layers
-
-
 def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
     """Every tensor of the GPTQ checkpoint, in file order (by layer, as transformers lays them out)."""
     adapter, weights = model.adapter, model.weights
@@ -87,7 +59,7 @@ def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
 
     specs = [plain(adapter.embed)]
     quantized = set()
-    for i, row in enumerate(model_linears(model)):
+    for i, row in enumerate(model.stored_linears):
         for lin in row:
             specs += quantized_specs(lin, s)
             quantized.add(lin.name)
