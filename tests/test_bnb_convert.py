@@ -232,12 +232,13 @@ def test_demo_folder_equals_transformers_save_pretrained(demo_folders, variant, 
 def test_demo_loads_in_transformers_and_agrees(demo_folders, variant, bar):
     """The issue's check: from_pretrained(folder) on the CPU, top-1 against quantkit's reader, the runtime computing in
     float32 so that the check is about the weights (measured: 100 % for nf4).  LLM.int8 also quantizes each
-    linear's input to int8 at run time, which quantkit's reader does not emulate yet: 91.7 % measured.
+    linear's input to int8 at run time; quantkit emulates that per linear (to 3e-6, test below), and still only
+    92.6 % of the demo's top-1 predictions agree (91.7 % without the emulation): the rest of the gap is open.
     nf4-b128 is left out: bitsandbytes 0.50.2's CPU kernel mis-dequantizes blocks that span rows (next test)."""
     from quantkit.backends.bnb import consumer
     from quantkit.eval.harness import load_windows, window_logits
     folder = demo_folders[variant]
-    ours = BnbCheckpoint(folder)
+    ours = BnbCheckpoint(folder, "bitsandbytes" if variant == "int8" else "exact")
     tokens = load_windows(ours.tokenizer, WIKI_TEST, 512, 3)
     same = sum((a.argmax(-1) == b.argmax(-1)).sum().item()
                for a, b in zip(window_logits(ours, tokens), consumer.window_logits(folder, tokens, exact=True)))
@@ -256,3 +257,21 @@ def test_the_plan_warns_where_bitsandbytes_cpu_kernel_goes_wrong(demo_folders):
     q = model.model.layers[0].self_attn.q_proj.weight
     theirs = bnb.functional.dequantize_4bit(q.data, q.quant_state)
     assert not torch.equal(theirs, ours.linear_weight("model.layers.0.self_attn.q_proj"))
+
+
+def test_llm_int8_input_rounding_is_bitsandbytes_own(tmp_path):
+    """`--activations bitsandbytes`: an int8 linear's input, rounded as LLM.int8 does (outlier columns kept, the
+    rest int8 per row), times quantkit's dequantized weight, equals bitsandbytes' Linear8bitLt output."""
+    from quantkit.backends.bnb import consumer
+    src = make_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
+    (folder,) = convert(src, ["int8"], tmp_path / "o")
+    model, ours = consumer.load(folder, exact=True), BnbCheckpoint(folder, "bitsandbytes")
+    rounding = ours.activation_fns(1)["mlp.down_proj"]
+    module = model.get_submodule("model.layers.1.mlp.down_proj")
+    x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(0)) * 3
+    x[0, :, 5] += 9.0   # an outlier column in the first window only
+    with torch.no_grad():
+        theirs = torch.cat([module(w[None]) for w in x])
+    mine = rounding(x) @ ours.linear_weight("model.layers.1.mlp.down_proj").T
+    plain = x @ ours.linear_weight("model.layers.1.mlp.down_proj").T
+    assert (mine - theirs).abs().max() < 1e-4 * theirs.abs().max() < (plain - theirs).abs().max()

@@ -1,14 +1,22 @@
-"""The side files of a quantized Hugging Face folder, the same for every format that writes one (GPTQ, bnb,
-AWQ): config.json with the format's `quantization_config`, the tokenizer and generation config copied from the
-source, and quantkit.json (what was done, from what, and each weight file's sha256)."""
+"""What every quantized Hugging Face folder shares, whichever format wrote it (GPTQ, bnb; AWQ next).
+
+Writing: the side files — config.json with the format's `quantization_config`, the tokenizer and generation
+config copied from the source, and quantkit.json (what was done, from what, each weight file's sha256).
+Reading: `QuantizedFolder`, the folder as a model whose quantized linears the format's reader dequantizes."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from .. import __version__
 from ..artifact import sha256_file
+from ..model.adapters import adapter_for
+from ..model.checkpoint import ModelFolder
+from ..model.config import ModelConfig
+from ..model.safetensors_reader import SafetensorsCheckpoint
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -28,3 +36,46 @@ def write_side_files(model, folder: Path, quantization_config: dict, info: dict,
     record = {"quantkit_version": __version__, **info, "source": {"model": model.name, "revision": model.revision},
               "files": {p.name: sha256_file(p) for p in weight_files}}
     (folder / "quantkit.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+class QuantizedFolder(ModelFolder):
+    """A quantized folder as the harness sees a model: layer(i) returns float weights, the quantized linears
+    dequantized by the format (`is_quantized` / `linear_weight`), everything else as stored."""
+
+    def __init__(self, folder: Path, qconfig: dict):
+        self.folder, self.qconfig = Path(folder), qconfig
+        raw = json.loads((self.folder / "config.json").read_text())
+        self.adapter = adapter_for(raw["model_type"])
+        where = str(self.folder / "config.json")
+        self.config = ModelConfig.from_dict(self.adapter.language_config(raw, where), where=where)
+        self.weights = SafetensorsCheckpoint(self.folder)
+        self.name = str(self.folder)
+        self.num_layers = self.config.num_layers
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the linear `name` (full name, without ".weight") is stored quantized."""
+        raise NotImplementedError
+
+    def linear_weight(self, name: str) -> torch.Tensor:
+        """A quantized linear's float weight (N, K)."""
+        raise NotImplementedError
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        prefix = self.adapter.prefix(i)
+
+        def get(rel: str) -> torch.Tensor:
+            base = prefix + rel.removesuffix(".weight")
+            if rel.endswith(".weight") and self.is_quantized(base):
+                return self.linear_weight(base)
+            return self.weights.get(prefix + rel)
+        return self.split_layer(i, get)
+
+    def described(self, kind: str, **fields) -> dict:
+        """`inspect`'s description: the format's fields between the common ones."""
+        info_path = self.folder / "quantkit.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        return {"kind": kind, "folder": str(self.folder), "architecture": self.config.model_type, **fields,
+                "layers": self.num_layers, "size_on_disk": sum(p.stat().st_size for p in self.folder.glob("*.safetensors")),
+                "variant": info.get("variant"),
+                "calibration": (info.get("calibration") or {}).get("token_hash"),
+                "tensors": [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype} for e in self.weights.entries.values()]}

@@ -122,9 +122,7 @@ class BnbBackend(Backend):
         return p.is_dir() and read_quantization_config(p) is not None
 
     def open_artifact(self, path: Path, base=None, activations: str = "exact") -> BnbCheckpoint:
-        if activations != "exact":
-            raise UsageError("--activations: bitsandbytes computes in the compute dtype; use the default (exact)")
-        return BnbCheckpoint(Path(path))
+        return BnbCheckpoint(Path(path), activations)
 
     def describe_artifact(self, path: Path) -> dict:
         return describe(Path(path))

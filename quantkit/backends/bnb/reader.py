@@ -7,11 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ...errors import SourceError
-from ...model.adapters import adapter_for
-from ...model.checkpoint import ModelFolder
-from ...model.config import ModelConfig
-from ...model.safetensors_reader import SafetensorsCheckpoint
+from ...errors import SourceError, UsageError
+from ..hf_folder import QuantizedFolder
+from .activations import DEFAULT_THRESHOLD, compute_dtype_input, llm_int8_input
 from .encoders import Packed4bit, dequantize_4bit, dequantize_int8
 
 STATE_SUFFIXES = ("weight.quant_state.bitsandbytes__nf4", "weight.quant_state.bitsandbytes__fp4")
@@ -30,22 +28,20 @@ def read_quantization_config(folder: Path) -> dict | None:
     return None
 
 
-class BnbCheckpoint(ModelFolder):
+class BnbCheckpoint(QuantizedFolder):
     """A bnb folder as the harness sees a model: layer(i) returns dequantized weights."""
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        q = read_quantization_config(self.folder)
+    def __init__(self, folder: Path, activations: str = "exact"):
+        if activations not in ("exact", "bitsandbytes"):
+            raise UsageError(f"--activations {activations!r}: expected exact or bitsandbytes")
+        q = read_quantization_config(Path(folder))
         if q is None:
-            raise SourceError(f"{self.folder}: not a bitsandbytes checkpoint (no bitsandbytes quantization_config)")
-        self.qconfig = q
-        raw = json.loads((self.folder / "config.json").read_text())
-        self.adapter = adapter_for(raw["model_type"])
-        where = str(self.folder / "config.json")
-        self.config = ModelConfig.from_dict(self.adapter.language_config(raw, where), where=where)
-        self.weights = SafetensorsCheckpoint(self.folder)
-        self.name = str(self.folder)
-        self.num_layers = self.config.num_layers
+            raise SourceError(f"{folder}: not a bitsandbytes checkpoint (no bitsandbytes quantization_config)")
+        super().__init__(folder, q)
+        self.emulate = activations == "bitsandbytes"
+
+    def is_quantized(self, name: str) -> bool:
+        return f"{name}.SCB" in self.weights or self.quant_state(name) is not None
 
     def quant_state(self, name: str) -> dict | None:
         for suffix in STATE_SUFFIXES:
@@ -69,28 +65,27 @@ class BnbCheckpoint(ModelFolder):
             return dequantize_int8(get(f"{name}.weight"), get(f"{name}.SCB"))
         return get(f"{name}.weight")
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        prefix = self.adapter.prefix(i)
-
-        def get(rel: str) -> torch.Tensor:
-            if rel.endswith(".weight"):
-                return self.linear_weight(prefix + rel.removesuffix(".weight"))
-            return self.weights.get(prefix + rel)
-        return self.split_layer(i, get)
-
+    def activation_fns(self, i: int) -> dict | None:
+        """Per converted linear, bitsandbytes' rounding of its input (only when emulating bitsandbytes): LLM.int8's
+        int8 columns, or the 4-bit compute dtype."""
+        if not self.emulate:
+            return None
+        prefix, q = self.adapter.prefix(i), self.qconfig
+        int8 = llm_int8_input(float(q.get("llm_int8_threshold", DEFAULT_THRESHOLD)))
+        four_bit = compute_dtype_input(getattr(torch, q.get("bnb_4bit_compute_dtype") or "float32"))
+        fns = {}
+        for lin in self.block(i).linears:
+            stored = prefix + self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
+            if f"{stored}.SCB" in self.weights:
+                fns[lin] = int8
+            elif self.quant_state(stored) is not None:
+                fns[lin] = four_bit
+        return fns
 
 def describe(folder: Path) -> dict:
     m = BnbCheckpoint(folder)
-    info_path = Path(folder) / "quantkit.json"
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     q = m.qconfig
-    converted = sorted({e.name.rsplit(".weight.quant_state.", 1)[0] for e in m.weights.entries.values()
-                        if ".weight.quant_state." in e.name} |
-                       {e.name.removesuffix(".SCB") for e in m.weights.entries.values() if e.name.endswith(".SCB")})
-    return {"kind": "bnb", "folder": str(folder), "architecture": m.config.model_type,
-            "quant_type": "int8" if q.get("load_in_8bit") else q.get("bnb_4bit_quant_type"),
-            "double_quant": q.get("bnb_4bit_use_double_quant"), "compute_dtype": q.get("bnb_4bit_compute_dtype"),
-            "layers": m.num_layers, "converted_linears": len(converted),
-            "size_on_disk": sum(p.stat().st_size for p in Path(folder).glob("*.safetensors")),
-            "variant": info.get("variant"),
-            "tensors": [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype} for e in m.weights.entries.values()]}
+    converted = [lin.name for row in m.stored_linears for lin in row if m.is_quantized(lin.name)]
+    return m.described("bnb", quant_type="int8" if q.get("load_in_8bit") else q.get("bnb_4bit_quant_type"),
+                       double_quant=q.get("bnb_4bit_use_double_quant"), compute_dtype=q.get("bnb_4bit_compute_dtype"),
+                       converted_linears=len(converted))
