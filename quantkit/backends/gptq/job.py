@@ -27,6 +27,7 @@ from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
 from .layout import checkpoint_specs
 from .packing import pack, pack_zeros
 
+
 def quantization_config(s: GPTQSettings) -> dict:
     """The dict transformers (config.json), GPTQModel and vLLM (either file) read."""
     fmt = "gptq" if s.sym else "gptq_v2"
