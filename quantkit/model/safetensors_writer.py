@@ -92,6 +92,16 @@ class ShardedSafetensorsWriter:
             os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(fd, total)
 
+    def put_bytes(self, name: str, data, at: int) -> None:
+        """Bytes of a planned tensor at byte `at` within it (a tensor written in pieces); `done` marks it whole."""
+        path, offset, spec = self.where[name]
+        if spec.late or at + len(data) > spec.nbytes:
+            raise ValueError(f"{name}: {at + len(data)} bytes written of {spec.nbytes} planned")
+        _pwrite_all(self._fds[path], data, offset + at)
+
+    def done(self, name: str) -> None:
+        self.pending.discard(name)
+
     def put(self, name: str, tensor: torch.Tensor) -> None:
         path, offset, spec = self.where[name]
         t = tensor.detach().to("cpu").contiguous()
@@ -101,10 +111,7 @@ class ShardedSafetensorsWriter:
             return
         if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
             raise ValueError(f"{name}: planned {spec.dtype} {spec.shape}, got {t.dtype} {tuple(t.shape)}")
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        written = os.pwrite(self._fds[path], data, offset)
-        if written != len(data):
-            raise OSError(28, "short write")  # ENOSPC on some filesystems shows up as a short write
+        _pwrite_all(self._fds[path], _bytes_of(t), offset)
         self.pending.discard(name)
 
     def close(self) -> list[Path]:
@@ -140,9 +147,8 @@ class ShardedSafetensorsWriter:
             os.pwrite(fd, text + b" " * (len(raw) - len(text)), 8)
             end = base + header[late[0].name]["data_offsets"][0]
             for sp in late:
-                data = self.late[sp.name].view(torch.uint8).numpy().tobytes()
-                if os.pwrite(fd, data, end) != len(data):
-                    raise OSError(28, "short write")
+                data = _bytes_of(self.late[sp.name])
+                _pwrite_all(fd, data, end)
                 end += len(data)
             os.ftruncate(fd, end)
 
@@ -150,3 +156,40 @@ class ShardedSafetensorsWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _bytes_of(t: torch.Tensor):
+    """A contiguous CPU tensor's bytes, without copying them."""
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    # one pwrite moves at most ~2 GiB on Linux, and a full disk shows up on some filesystems as a short write
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(28, "short write")
+        done += n
+
+
+def copy_tensor(writers: list[ShardedSafetensorsWriter], name: str, source: Path, start: int, nbytes: int,
+                check=None, chunk: int = 64 << 20) -> None:
+    """Write a tensor kept as it is straight from its source file into every writer, `chunk` bytes at a time, so a
+    2 GB embedding is read once and never sits in memory whole.  `check(piece)` sees each piece (uint8) first."""
+    buf = torch.empty(min(chunk, max(nbytes, 1)), dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    with open(source, "rb", buffering=0) as f:
+        f.seek(start)
+        done = 0
+        while done < nbytes:
+            n = f.readinto(view[:min(len(view), nbytes - done)])
+            if not n:
+                raise OSError(5, f"{source} ended while copying {name}")
+            if check is not None:
+                check(buf[:n])
+            for w in writers:
+                w.put_bytes(name, view[:n], done)
+            done += n
+    for w in writers:
+        w.done(name)

@@ -10,6 +10,7 @@ weight from float16, as bitsandbytes' Int8Params does.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
@@ -52,22 +53,55 @@ def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Index into `table` of the level nearest each value (a tie goes to the lower level)."""
     order = torch.argsort(table)
     levels = table[order]
-    bounds = (levels[:-1] + levels[1:]) / 2
-    return order.to(scaled.device)[torch.bucketize(scaled, bounds.to(scaled.device), out_int32=True).long()]
+    bounds = ((levels[:-1] + levels[1:]) / 2).to(scaled.device)
+    position = _bucketize(scaled, bounds)
+    if torch.equal(order, torch.arange(order.numel())):   # NF4's table is sorted: the positions are the codes
+        return position
+    return order.to(scaled.device)[position.long()]
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _bucketize(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """torch.bucketize (int32), split across the CPU's threads: on the CPU it runs on one core."""
+    threads = torch.get_num_threads()
+    if x.device.type != "cpu" or threads < 2 or x.numel() < 1 << 20:
+        return torch.bucketize(x, bounds, out_int32=True)
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(threads)
+    out = torch.empty(x.shape, dtype=torch.int32)
+    flat_x, flat_out = x.reshape(-1), out.reshape(-1)
+    step = -(-flat_x.numel() // threads)
+    parts = [(flat_x[s:s + step], flat_out[s:s + step]) for s in range(0, flat_x.numel(), step)]
+    list(_POOL.map(lambda p: torch.bucketize(p[0], bounds, out_int32=True, out=p[1]), parts))
+    return out
+
+
+CHUNK = 1 << 20   # weights encoded per step: the step's float32 temporaries stay a few MB, whatever the tensor
 
 
 def _blockwise(flat: torch.Tensor, blocksize: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (int64, one per value) and per-block absmax (float32) of a flat float32 tensor."""
+    """Codes (uint8, one per value) and per-block absmax (float32) of a flat tensor, a chunk of whole blocks at a time."""
     n = flat.numel()
     full = n - n % blocksize
-    body = flat[:full].reshape(-1, blocksize)
-    absmax = body.abs().amax(dim=1) if full else flat.new_zeros(0)
-    scaled = torch.clamp(body * (1.0 / absmax.clamp(min=_TINY)[:, None]), -1, 1).reshape(-1)
+    table = table.to(flat.device)
+    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=flat.device)
+    step = max(blocksize, CHUNK - CHUNK % blocksize)
+    for s in range(0, full, step):
+        body = flat[s:min(s + step, full)].float().reshape(-1, blocksize)
+        am = body.abs().amax(dim=1)
+        scaled = torch.clamp(body * (1.0 / am.clamp(min=_TINY)[:, None]), -1, 1).reshape(-1)
+        codes[s:s + scaled.numel()] = _nearest(scaled, table)
+        absmax[s // blocksize:s // blocksize + am.numel()] = am
     if full < n:
-        tail_max = flat[full:].abs().max().clamp(min=_TINY)
-        absmax = torch.cat([absmax, tail_max[None]])
-        scaled = torch.cat([scaled, torch.clamp(flat[full:] / tail_max, -1, 1)])
-    return _nearest(scaled, table.to(flat.device)), absmax
+        tail = flat[full:].float()
+        tail_max = tail.abs().max().clamp(min=_TINY)
+        absmax[-1] = tail_max
+        codes[full:] = _nearest(torch.clamp(tail / tail_max, -1, 1), table)
+    return codes, absmax
 
 
 _LUT_BINS = 65536
@@ -118,10 +152,10 @@ def quantize_4bit(w: torch.Tensor, quant_type: str = "nf4", blocksize: int = 64,
     if blocksize not in BLOCK_SIZES:
         raise ValueError(f"4-bit block size {blocksize}: expected one of {', '.join(map(str, BLOCK_SIZES))}")
     table = code_table(quant_type)
-    codes, absmax = _blockwise(w.reshape(-1).float(), blocksize, table)
+    codes, absmax = _blockwise(w.reshape(-1), blocksize, table)
     if codes.numel() % 2:   # the last byte's low nibble: the code of 0
-        codes = torch.cat([codes, _nearest(codes.new_zeros(1, dtype=torch.float32), table.to(codes.device))])
-    codes = codes.to(torch.uint8)
+        zero = _nearest(torch.zeros(1, device=codes.device), table.to(codes.device)).to(torch.uint8)
+        codes = torch.cat([codes, zero])
     packed = ((codes[0::2] << 4) | codes[1::2])[:, None]
     if not double_quant:
         return Packed4bit(packed, absmax, table.to(w.device))

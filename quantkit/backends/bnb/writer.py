@@ -10,7 +10,8 @@ import torch
 
 from ...artifact import atomic_folder
 from ...errors import QuantizationError
-from ...model.safetensors_writer import ShardedSafetensorsWriter
+from ...model.safetensors_reader import DTYPES
+from ...model.safetensors_writer import ShardedSafetensorsWriter, copy_tensor
 from ...progress import Progress, null_progress
 from ..hf_folder import write_side_files
 from .encoders import dynamic_map, quantize_4bit, quantize_int8
@@ -74,8 +75,9 @@ class BnbArtifact:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    # one reduction catches NaN/inf (a finite sum overflowing only costs the full check)
-    if t.is_floating_point() and not torch.isfinite(t.float().sum()) and not torch.isfinite(t).all():
+    # one reduction catches NaN/inf (a finite sum overflowing only costs the full check); summed in float32
+    # without making a float32 copy of the tensor
+    if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all():
         raise QuantizationError(f"{name}: contains NaN or infinite values; cannot quantize")
 
 
@@ -102,10 +104,10 @@ def write_all(model, items: list[tuple[BnbVariant, Path, torch.dtype]], *, skip:
                 a.writer.open()
                 artifacts.append(a)
             outside = [adapter.embed, adapter.final_norm] + ([] if model.tied_embeddings else [adapter.lm_head])
-            for name in outside:
-                t = read(name)
-                for a in artifacts:
-                    a.writer.put(name, t)
+            for name in outside:   # kept as stored: copied byte for byte, a piece at a time (embeddings are large)
+                e = model.weights.entries[name]
+                copy_tensor([a.writer for a in artifacts], name, e.file, e.start, e.nbytes,
+                            check=lambda piece, n=name, dtype=DTYPES[e.dtype]: check_finite(n, piece.view(dtype)))
             task = progress.task(f"bnb layers ({', '.join(v.text for v, _, _ in items)})", total=model.num_layers)
             for i in range(model.num_layers):
                 prefix = adapter.prefix(i)
