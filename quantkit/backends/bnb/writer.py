@@ -1,5 +1,5 @@
-"""Every bnb artifact of a run from one read of the source: each decoder layer is read once and encoded for
-every variant asked for, each into its own atomic folder, so memory stays at one layer whatever the model."""
+"""Every bnb artifact of a run from one read of the source: each tensor is read once and encoded for every variant
+asked for, each into its own atomic folder, so memory stays at one weight whatever the model."""
 from __future__ import annotations
 
 import time
@@ -27,6 +27,7 @@ class BnbArtifact:
         self.model, self.variant, self.folder = model, variant, Path(folder)
         self.compute_dtype, self.skip, self.device = compute_dtype, skip, device
         self.linears = converted_linears(model, skip)
+        self.converted = [{lin.name for lin in row} for row in self.linears]
         self.writer = ShardedSafetensorsWriter(self.folder, checkpoint_specs(model, variant, skip), max_shard_bytes)
         self.started = time.time()
 
@@ -49,15 +50,13 @@ class BnbArtifact:
         state = quant_state_json(v, tuple(weight.shape), weight.dtype, p.nested_offset)
         put(f"{name}.{state_key(v)}", torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
-    def put_layer(self, i: int, stored: dict[str, torch.Tensor]) -> None:
-        """Layer i from its stored tensors (full names)."""
-        converted = {lin.name for lin in self.linears[i]}
-        for name, t in stored.items():
-            base, _, leaf = name.rpartition(".")
-            if base in converted and leaf == "weight":
-                self.put_linear(base, t)
-            else:
-                self.writer.put(name, t)
+    def put_stored(self, i: int, name: str, t: torch.Tensor) -> None:
+        """One of layer i's stored tensors (full name): a converted linear's weight is encoded, the rest kept."""
+        base, _, leaf = name.rpartition(".")
+        if leaf == "weight" and base in self.converted[i]:
+            self.put_linear(base, t)
+        else:
+            self.writer.put(name, t)
 
     def finish(self, seconds_reading: float) -> Path:
         files = self.writer.close()
@@ -110,10 +109,12 @@ def write_all(model, items: list[tuple[BnbVariant, Path, torch.dtype]], *, skip:
                             check=lambda piece, n=name, dtype=DTYPES[e.dtype]: check_finite(n, piece.view(dtype)))
             task = progress.task(f"bnb layers ({', '.join(v.text for v, _, _ in items)})", total=model.num_layers)
             for i in range(model.num_layers):
-                prefix = adapter.prefix(i)
-                stored = {prefix + rel: read(prefix + rel) for rel in model.stored_names(i)}
-                for a in artifacts:
-                    a.put_layer(i, stored)
+                for rel in model.stored_names(i):   # a tensor at a time: memory holds one weight, not a layer
+                    name = adapter.prefix(i) + rel
+                    t = read(name)
+                    for a in artifacts:
+                        a.put_stored(i, name, t)
+                    del t
                 task.advance()
             for a in artifacts:
                 a.finish(reading)
