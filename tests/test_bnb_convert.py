@@ -275,3 +275,24 @@ def test_llm_int8_input_rounding_is_bitsandbytes_own(tmp_path):
     mine = rounding(x) @ ours.linear_weight("model.layers.1.mlp.down_proj").T
     plain = x @ ours.linear_weight("model.layers.1.mlp.down_proj").T
     assert (mine - theirs).abs().max() < 1e-4 * theirs.abs().max() < (plain - theirs).abs().max()
+
+
+def test_short_writes_are_resumed_and_a_full_disk_leaves_nothing(tmp_path, monkeypatch):
+    """A filesystem may write less than asked (one pwrite moves at most ~2 GiB on Linux): the writer goes on
+    until every byte is down, and the folder equals an ordinary run's.  A write that moves nothing is a full disk:
+    one OutputError, no folder."""
+    import os
+    from quantkit.errors import OutputError
+    from quantkit.model import safetensors_writer
+    src = make_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
+    (plain,) = convert(src, ["nf4-dq"], tmp_path / "plain")
+    real = os.pwrite
+    monkeypatch.setattr(safetensors_writer.os, "pwrite", lambda fd, data, off: real(fd, memoryview(data)[:999], off))
+    (short,) = convert(src, ["nf4-dq"], tmp_path / "short")
+    for p in plain.glob("*.safetensors"):
+        assert (short / p.name).read_bytes() == p.read_bytes()
+    calls = iter(range(10**6))
+    monkeypatch.setattr(safetensors_writer.os, "pwrite", lambda fd, data, off: 0 if next(calls) == 20 else real(fd, data, off))
+    with pytest.raises(OutputError, match="disk is full"):
+        convert(src, ["nf4"], tmp_path / "full")
+    assert list((tmp_path / "full").iterdir()) == []

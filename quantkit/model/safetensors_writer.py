@@ -89,7 +89,7 @@ class ShardedSafetensorsWriter:
         for path, raw, total in self.files:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             self._fds[path] = fd
-            os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
+            _pwrite_all(fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(fd, total)
 
     def put_bytes(self, name: str, data, at: int) -> None:
@@ -144,7 +144,7 @@ class ShardedSafetensorsWriter:
             if len(text) > len(raw):
                 raise RuntimeError(f"{path.name}: the header outgrew the room reserved for it")
             fd, base = self._fds[path], 8 + len(raw)
-            os.pwrite(fd, text + b" " * (len(raw) - len(text)), 8)
+            _pwrite_all(fd, text + b" " * (len(raw) - len(text)), 8)
             end = base + header[late[0].name]["data_offsets"][0]
             for sp in late:
                 data = _bytes_of(self.late[sp.name])
