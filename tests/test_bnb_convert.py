@@ -132,6 +132,7 @@ def test_reader_dequantizes_as_bitsandbytes_and_transformers_runs_it(tmp_path):
     tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
     for v, folder in zip(variants, convert(src, variants, tmp_path / "o")):
         model, ours = consumer.load(folder, exact=True), BnbCheckpoint(folder)
+        emulated = BnbCheckpoint(folder, "bitsandbytes" if v == "int8" else "exact")
         checked = 0
         for name, module in model.named_modules():
             if isinstance(module, bnb.nn.Linear4bit):
@@ -144,8 +145,8 @@ def test_reader_dequantizes_as_bitsandbytes_and_transformers_runs_it(tmp_path):
             checked += 1
         assert checked == 14, v
         same = sum((a.argmax(-1) == b.argmax(-1)).sum().item()
-                   for a, b in zip(window_logits(ours, tokens), consumer.window_logits(folder, tokens, exact=True)))
-        assert same / tokens.numel() >= (0.99 if v != "int8" else 0.9), v
+                   for a, b in zip(window_logits(emulated, tokens), consumer.window_logits(folder, tokens, exact=True)))
+        assert same / tokens.numel() >= 0.99, v
 
 
 def test_one_run_writes_bnb_beside_gguf_and_eval_reads_it(tmp_path):
@@ -228,13 +229,14 @@ def test_demo_folder_equals_transformers_save_pretrained(demo_folders, variant, 
 
 @pytest.mark.slow
 @needs_shared_data(WIKI_TEST)
-@pytest.mark.parametrize("variant,bar", [("nf4", 0.995), ("nf4-dq", 0.995), ("fp4", 0.995), ("int8", 0.90)])
-def test_demo_loads_in_transformers_and_agrees(demo_folders, variant, bar):
-    """The issue's check: from_pretrained(folder) on the CPU, top-1 against quantkit's reader, the runtime computing in
-    float32 so that the check is about the weights (measured: 100 % for nf4).  LLM.int8 also quantizes each
-    linear's input to int8 at run time; quantkit emulates that per linear (to 3e-6, test below), and still only
-    92.6 % of the demo's top-1 predictions agree (91.7 % without the emulation): the rest of the gap is open.
-    nf4-b128 is left out: bitsandbytes 0.50.2's CPU kernel mis-dequantizes blocks that span rows (next test)."""
+@pytest.mark.parametrize("variant", ["nf4", "nf4-dq", "fp4", "int8"])
+def test_demo_loads_in_transformers_and_agrees(demo_folders, variant):
+    """The issue's check: from_pretrained(folder) on the CPU, top-1 ≥ 99.5 % against quantkit's reader, the runtime
+    computing in float32 so that the check is about the weights (measured: 100 % for nf4).  LLM.int8 also turns
+    each linear's input into int8 codes, which amplifies any float difference: quantkit's reader computes those
+    products as bitsandbytes does (--activations bitsandbytes; measured 100 %, against 91.7 % for the plain
+    dequantized weights).  nf4-b128 is left out: bitsandbytes 0.50.2's CPU kernel mis-dequantizes blocks that
+    span rows (next test)."""
     from quantkit.backends.bnb import consumer
     from quantkit.eval.harness import load_windows, window_logits
     folder = demo_folders[variant]
@@ -242,7 +244,7 @@ def test_demo_loads_in_transformers_and_agrees(demo_folders, variant, bar):
     tokens = load_windows(ours.tokenizer, WIKI_TEST, 512, 3)
     same = sum((a.argmax(-1) == b.argmax(-1)).sum().item()
                for a, b in zip(window_logits(ours, tokens), consumer.window_logits(folder, tokens, exact=True)))
-    assert same / tokens.numel() >= bar, variant
+    assert same / tokens.numel() >= 0.995, variant
 
 
 @pytest.mark.slow
@@ -259,22 +261,25 @@ def test_the_plan_warns_where_bitsandbytes_cpu_kernel_goes_wrong(demo_folders):
     assert not torch.equal(theirs, ours.linear_weight("model.layers.0.self_attn.q_proj"))
 
 
-def test_llm_int8_input_rounding_is_bitsandbytes_own(tmp_path):
-    """`--activations bitsandbytes`: an int8 linear's input, rounded as LLM.int8 does (outlier columns kept, the
-    rest int8 per row), times quantkit's dequantized weight, equals bitsandbytes' Linear8bitLt output."""
+def test_llm_int8_products_are_bitsandbytes_own(tmp_path):
+    """`--activations bitsandbytes`: an int8 linear computed as LLM.int8 computes it (outlier columns in float, the
+    rest as int8 codes per row, exact integer products, bitsandbytes' scaling) equals Linear8bitLt's output bit
+    for bit; the input rounding alone is close, the plain float product is not."""
     from quantkit.backends.bnb import consumer
     src = make_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
     (folder,) = convert(src, ["int8"], tmp_path / "o")
     model, ours = consumer.load(folder, exact=True), BnbCheckpoint(folder, "bitsandbytes")
-    rounding = ours.activation_fns(1)["mlp.down_proj"]
-    module = model.get_submodule("model.layers.1.mlp.down_proj")
+    name = "model.layers.1.mlp.down_proj"
+    product, rounding = ours.linear_fns(1)["mlp.down_proj"], ours.activation_fns(1)["mlp.down_proj"]
+    module = model.get_submodule(name)
     x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(0)) * 3
     x[0, :, 5] += 9.0   # an outlier column in the first window only
     with torch.no_grad():
         theirs = torch.cat([module(w[None]) for w in x])
-    mine = rounding(x) @ ours.linear_weight("model.layers.1.mlp.down_proj").T
-    plain = x @ ours.linear_weight("model.layers.1.mlp.down_proj").T
-    assert (mine - theirs).abs().max() < 1e-4 * theirs.abs().max() < (plain - theirs).abs().max()
+    assert torch.equal(product(x), theirs)
+    w = ours.linear_weight(name)
+    close, plain = (rounding(x) @ w.T - theirs).abs().max(), (x @ w.T - theirs).abs().max()
+    assert close < 1e-4 * theirs.abs().max() < plain
 
 
 def test_short_writes_are_resumed_and_a_full_disk_leaves_nothing(tmp_path, monkeypatch):

@@ -77,9 +77,13 @@ def final_hidden_states(model: DenseModel, tokens: torch.Tensor, *, device="cpu"
     rt = Runtime(tokens.shape[1], device, dtype)
     task = progress.task(f"{label} layers", total=model.num_layers)
     runtime_acts = getattr(model, "activation_fns", None)  # set when emulating a runtime's arithmetic
+    runtime_linears = getattr(model, "linear_fns", None)
     for i in range(model.num_layers):
         w = {k: v.to(device) for k, v in model.layer(i).items()}
-        layer_rt = rt.with_acts(runtime_acts(i)) if runtime_acts else rt
+        layer_rt = rt
+        if runtime_acts or runtime_linears:
+            layer_rt = rt.with_acts(runtime_acts(i) if runtime_acts else None,
+                                    runtime_linears(i) if runtime_linears else None)
         block = model.block(i)
         for s in range(0, h.shape[0], batch):
             chunk = h[s:s + batch].to(device)

@@ -27,12 +27,14 @@ _StageObserver = Callable[[int, int, torch.Tensor], None]
 
 class Runtime:
     """What ops need besides weights: the compute dtype, RoPE tables per `Rope` (cached: layers share them),
-    and optionally a runtime's rounding of each linear's input (`acts`, e.g. llama.cpp's Q8 blocks)."""
+    and optionally a runtime's arithmetic: its rounding of a linear's input (`acts`, e.g. llama.cpp's Q8 blocks),
+    or the whole product as it computes it (`linears`: name -> f(x, bias), holding its own weights; LLM.int8)."""
 
     def __init__(self, seq_len: int, device, compute_dtype: torch.dtype = torch.float32,
-                 acts: dict[str, Callable] | None = None):
+                 acts: dict[str, Callable] | None = None, linears: dict[str, Callable] | None = None):
         self.seq_len, self.device, self.compute_dtype = seq_len, device, compute_dtype
         self.acts = acts or {}
+        self.linears = linears or {}
         self._rope: dict[Rope, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,10 +42,10 @@ class Runtime:
             self._rope[rope] = rope_tables(rope, self.seq_len, self.device, self.compute_dtype)
         return self._rope[rope]
 
-    def with_acts(self, acts: dict[str, Callable] | None) -> "Runtime":
-        """The same runtime (sharing its RoPE tables) with another activation rounding."""
+    def with_acts(self, acts: dict[str, Callable] | None, linears: dict[str, Callable] | None = None) -> "Runtime":
+        """The same runtime (sharing its RoPE tables) with another runtime's arithmetic."""
         other = copy.copy(self)
-        other.acts = acts or {}
+        other.acts, other.linears = acts or {}, linears or {}
         return other
 
 
@@ -58,6 +60,9 @@ def apply_norm(norm: Norm, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch
 
 
 def linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str, rt: Runtime, bias: bool = False) -> torch.Tensor:
+    product = rt.linears.get(name)
+    if product is not None:
+        return product(x, w[f"{name}.bias"].to(x.dtype) if bias else None)
     act = rt.acts.get(name)
     if act is not None:
         x = act(x)

@@ -41,3 +41,43 @@ def llm_int8_input(threshold: float = DEFAULT_THRESHOLD):
         return torch.stack([one_call(w.reshape(-1, x.shape[-1])) for w in x]).reshape(x.shape)
 
     return rounding
+
+
+INV_127_SQUARED = 6.200124e-05   # bitsandbytes' constant for 1/127² (not quite it: kept, so the floats are its own)
+
+
+class LlmInt8Product:
+    """An LLM.int8 linear's output as bitsandbytes computes it, step for step (its default kernels
+    `int8_vectorwise_quant`, `int8_mixed_scaled_mm`, `int8_mm_dequant`): the input's int8 codes times the weight's
+    as exact integers, scaled by both row statistics in float32, plus the outlier columns' float product.  The
+    int8 rounding amplifies any difference in its input, so agreeing with the runtime needs its floats, not
+    only its algorithm: the input rounding alone (llm_int8_input) leaves 1e-5 differences that flip codes
+    downstream."""
+
+    def __init__(self, cb: torch.Tensor, scb: torch.Tensor, threshold: float = DEFAULT_THRESHOLD):
+        self.cb, self.scb, self.threshold = cb, scb, threshold
+        self.cb_exact = cb.to(torch.float64)   # int8 × int8 sums are exact in float64 (|sum| < 2^53)
+
+    def one_call(self, a: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:   # a: (rows, features)
+        half = a.to(torch.float16)
+        outliers = half.abs() >= self.threshold if self.threshold > 0 else torch.zeros_like(half, dtype=torch.bool)
+        cols = torch.argwhere(outliers.any(dim=0)).view(-1) if outliers.any() else None
+        masked = half.masked_fill(outliers, 0)
+        stats = masked.abs().amax(dim=1).float()
+        codes = torch.round(masked * (127.0 / stats.unsqueeze(-1))).to(torch.int8)
+        if a.shape[0] > 1 and cols is not None:
+            codes[:, cols] = 0
+        ints = (codes.to(torch.float64) @ self.cb_exact.T).to(torch.int32)
+        out = ints * (stats.unsqueeze(-1) * self.scb.unsqueeze(0)) * INV_127_SQUARED
+        if bias is not None:
+            out += bias
+        out = out.to(a.dtype)
+        if cols is not None and cols.numel():
+            sub_b = (self.cb[:, cols].contiguous() * self.scb.view(-1, 1) * 7.874015718698502e-3).to(a.dtype).t()
+            out = out.addmm(a[:, cols].contiguous(), sub_b)
+        return out
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.one_call(x, bias)
+        return torch.stack([self.one_call(w.reshape(-1, x.shape[-1]), bias) for w in x]).reshape(*x.shape[:-1], -1)

@@ -9,7 +9,7 @@ import torch
 
 from ...errors import SourceError, UsageError
 from ..hf_folder import QuantizedFolder
-from .activations import DEFAULT_THRESHOLD, compute_dtype_input, llm_int8_input
+from .activations import DEFAULT_THRESHOLD, LlmInt8Product, compute_dtype_input, llm_int8_input
 from .encoders import Packed4bit, dequantize_4bit, dequantize_int8
 
 STATE_SUFFIXES = ("weight.quant_state.bitsandbytes__nf4", "weight.quant_state.bitsandbytes__fp4")
@@ -64,6 +64,22 @@ class BnbCheckpoint(QuantizedFolder):
         if f"{name}.SCB" in w:
             return dequantize_int8(get(f"{name}.weight"), get(f"{name}.SCB"))
         return get(f"{name}.weight")
+
+    def linear_fns(self, i: int) -> dict | None:
+        """Per LLM.int8 linear, its product as bitsandbytes computes it (only when emulating bitsandbytes)."""
+        if not self.emulate:
+            return None
+        prefix, threshold = self.adapter.prefix(i), float(self.qconfig.get("llm_int8_threshold", DEFAULT_THRESHOLD))
+        fns = {}
+        for lin in self.block(i).linears:
+            stored, *rows = self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))
+            base = prefix + stored.removesuffix(".weight")
+            if f"{base}.SCB" in self.weights:
+                cb, scb = self.weights.get(f"{base}.weight"), self.weights.get(f"{base}.SCB")
+                if rows:   # a part of a joined linear (Phi-3's qkv_proj): its rows, each computed on its own
+                    cb, scb = cb[rows[0]:rows[1]], scb[rows[0]:rows[1]]
+                fns[lin] = LlmInt8Product(cb, scb, threshold)
+        return fns
 
     def activation_fns(self, i: int) -> dict | None:
         """Per converted linear, bitsandbytes' rounding of its input (only when emulating bitsandbytes): LLM.int8's
