@@ -93,7 +93,7 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
              runtime: str = typer.Option("quantkit", "--runtime",
                                          help="quantkit (own dequantization), llama.cpp (GGUF in llama.cpp) or transformers (GPTQ in transformers + GPTQModel, bnb in transformers + bitsandbytes)."),
              activations: str = typer.Option("exact", "--activations",
-                                             help="exact, or round each linear's input as its runtime does: llama.cpp (GGUF), bitsandbytes (bnb: LLM.int8's int8 columns, the 4-bit compute dtype)."),
+                                             help="exact, or round each linear's input as its runtime does: llama.cpp (GGUF), bitsandbytes (bnb: LLM.int8's int8 products, the 4-bit compute dtype)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
     """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
     from . import api
