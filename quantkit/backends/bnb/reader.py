@@ -65,6 +65,11 @@ class BnbCheckpoint(QuantizedFolder):
             return dequantize_int8(get(f"{name}.weight"), get(f"{name}.SCB"))
         return get(f"{name}.weight")
 
+    def _stored(self, prefix: str, lin: str) -> tuple[str, list[int]]:
+        """The stored linear holding block linear `lin` (full name), and its rows there ([] when stored alone)."""
+        stored, *rows = self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))
+        return prefix + stored.removesuffix(".weight"), rows
+
     def linear_fns(self, i: int) -> dict | None:
         """Per LLM.int8 linear, its product as bitsandbytes computes it (only when emulating bitsandbytes)."""
         if not self.emulate:
@@ -72,8 +77,7 @@ class BnbCheckpoint(QuantizedFolder):
         prefix, threshold = self.adapter.prefix(i), float(self.qconfig.get("llm_int8_threshold", DEFAULT_THRESHOLD))
         fns = {}
         for lin in self.block(i).linears:
-            stored, *rows = self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))
-            base = prefix + stored.removesuffix(".weight")
+            base, rows = self._stored(prefix, lin)
             if f"{base}.SCB" in self.weights:
                 cb, scb = self.weights.get(f"{base}.weight"), self.weights.get(f"{base}.SCB")
                 if rows:   # a part of a joined linear (Phi-3's qkv_proj): its rows, each computed on its own
@@ -91,7 +95,7 @@ class BnbCheckpoint(QuantizedFolder):
         four_bit = compute_dtype_input(getattr(torch, q.get("bnb_4bit_compute_dtype") or "float32"))
         fns = {}
         for lin in self.block(i).linears:
-            stored = prefix + self.fused_parts.get(f"{lin}.weight", (f"{lin}.weight",))[0].removesuffix(".weight")
+            stored, _ = self._stored(prefix, lin)
             if f"{stored}.SCB" in self.weights:
                 fns[lin] = int8
             elif self.quant_state(stored) is not None:
