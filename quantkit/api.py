@@ -86,6 +86,20 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
                      progress=progress, model_logits=logits)
 
 
+def push(artifacts, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
+         message: str | None = None, token: str | None = None, progress: Progress = null_progress):
+    """Upload finished artifacts to the Hub repo `repo` as one commit (quantkit.publish.push)."""
+    from .publish import push as _push
+    return _push(artifacts, repo, revision=revision, private=private, create_pr=create_pr, message=message,
+                 token=token, progress=progress)
+
+
+def check_repo_id(repo: str) -> None:
+    """A usage error unless `repo` is a valid ORG/NAME."""
+    from .publish.hub import check_repo_id as _check
+    _check(repo)
+
+
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
     parsed = _parse_formats(formats)
     options = {**(options or {}), "estimate_time": True}

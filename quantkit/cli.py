@@ -158,6 +158,8 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             skip_modules: List[str] = typer.Option([], "--skip-modules", help="bnb: module name or pattern left unconverted, repeatable (replaces transformers' defaults; lm_head is always kept)."),
             max_shard_size: float = typer.Option(4.0, "--max-shard-size", help="Largest safetensors shard, GiB."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+            push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="ORG/NAME: push the artifacts when written, as one commit (see `quantkit push`)."),
+            token: Optional[str] = typer.Option(None, "--token", help="Hub token for --push-to-hub (default: HF_TOKEN or the huggingface_hub login)."),
             as_json: bool = typer.Option(False, "--json", help="Print a JSON summary.")):
     """Write one artifact per -f FORMAT:VARIANT; calibrated formats share one calibration pass."""
     from . import api
@@ -179,13 +181,53 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
         for p in plans:
             _render_plan(p)
         return
+    if push_to_hub:
+        api.check_repo_id(push_to_hub)   # a bad repo id is refused before hours of work, not after
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
         paths = api.convert(model, fmt, output, options=options, progress=progress)
+    pushed = None
+    if push_to_hub:
+        with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
+            pushed = api.push(paths, push_to_hub, token=token, progress=progress)
     if as_json:
-        print(json.dumps([str(p) for p in paths]))
+        print(json.dumps({"written": [str(p) for p in paths], "pushed": pushed.to_dict() if pushed else None}
+                         if push_to_hub else [str(p) for p in paths]))
         return
     for p in paths:
         out.print(f"wrote {p}")
+    if pushed is not None:
+        _render_push(pushed)
+
+
+@app.command()
+def push(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and .gguf files written by convert."),
+         repo: str = typer.Option(..., "--repo", help="ORG/NAME on the Hub (created if missing)."),
+         revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created from main if missing)."),
+         private: bool = typer.Option(False, "--private", help="Create the repo private."),
+         create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing to the branch."),
+         message: Optional[str] = typer.Option(None, "--message", help="Commit message."),
+         token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN or the huggingface_hub login)."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Upload artifacts to a Hub repo as one commit; files the repo already has are not sent again."""
+    from . import api
+    from .progress import rich_progress
+    with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
+        result = api.push(artifacts, repo, revision=revision, private=private, create_pr=create_pr,
+                          message=message, token=token, progress=progress)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    _render_push(result)
+
+
+def _render_push(r) -> None:
+    if r.nothing_to_upload:
+        out.print(f"nothing to upload: {r.repo}@{r.revision} already has all {len(r.unchanged)} files "
+                  f"(commit {r.commit[:12]})", highlight=False)
+        return
+    where = f"pull request {r.pr_url}" if r.pr_url else f"{r.repo}@{r.revision}"
+    out.print(f"pushed {len(r.uploaded)} files to {where}: commit {r.commit[:12]}"
+              + (f" ({len(r.unchanged)} unchanged, not sent)" if r.unchanged else ""), highlight=False)
 
 
 def _plan_dict(p) -> dict:

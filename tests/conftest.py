@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# the Hub stand-in speaks LFS, not Xet; huggingface_hub reads this once, when it is first imported
+os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("QUANTKIT_SHARED_DATA", ROOT.parent / "shared" / "data"))
 WIKI_TEST = SHARED_DATA / "wikitext2-test.raw.txt"

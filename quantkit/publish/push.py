@@ -1,0 +1,142 @@
+"""`quantkit push`: artifacts into one Hub repo as ONE commit, or nothing.
+
+Order of work: check every artifact complete and hash every file (nothing leaves the machine before the whole
+push is known to be good); create the repo (and the branch) if needed; read the branch head once — the parent
+of the commit — and the remote files' hashes at it; upload the changed large files to LFS storage
+(`preupload_lfs_files`: invisible until a commit names them); then one `create_commit` with `parent_commit`,
+so the push becomes visible all at once and a concurrent change to the branch stops it instead of being
+overwritten.  When the commit's reply is lost, the branch is read again: if it moved to exactly the pushed
+files the push succeeded; if it moved otherwise, the push stops as stale; if not at all, the commit is retried.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import NetworkError
+from ..progress import Progress, null_progress
+from .contents import ArtifactFile, artifact_files, check_digest
+from .hub import Hub, is_transient
+
+
+@dataclass
+class PushResult:
+    repo: str
+    revision: str
+    commit: str | None                      # the new commit, or the head that already had every file
+    uploaded: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    pr_url: str | None = None
+
+    @property
+    def nothing_to_upload(self) -> bool:
+        return not self.uploaded
+
+    def to_dict(self) -> dict:
+        return {"repo": self.repo, "revision": self.revision, "commit": self.commit, "uploaded": self.uploaded,
+                "unchanged": self.unchanged, "pull_request": self.pr_url}
+
+
+def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None, private: bool = False,
+         create_pr: bool = False, message: str | None = None, token: str | None = None,
+         progress: Progress = null_progress) -> PushResult:
+    from huggingface_hub import CommitOperationAdd
+    files = artifact_files([Path(a) for a in artifacts])
+    hub = Hub(repo, token)
+    task = progress.task("hashing files", total=len(files))
+    additions: dict[str, CommitOperationAdd] = {}
+    for f in files:
+        op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local))
+        check_digest(f, op.upload_info.sha256.hex())
+        additions[f.path_in_repo] = op
+        task.advance()
+    branch = revision or "main"
+
+    hub.call("creating the repo", hub.api.create_repo, repo, private=private, exist_ok=True)
+    if revision and not create_pr and not _branch_exists(hub, revision):
+        hub.call(f"creating branch {revision}", hub.api.create_branch, repo, branch=revision, exist_ok=True)
+    parent = _head(hub, branch)
+    changed = _changed(hub, additions, parent, files)
+    result = PushResult(repo, branch, parent, unchanged=[p for p in additions if p not in changed])
+    if not changed:
+        return result
+
+    ops = [additions[p] for p in changed]
+    hub.call("uploading files", hub.api.preupload_lfs_files, repo, additions=ops, revision=branch,
+             create_pr=create_pr)
+    summary = message or _default_message(files, changed)
+    result.commit, result.pr_url = _commit(hub, ops, summary, branch, parent, create_pr, additions, files)
+    result.uploaded = changed
+    return result
+
+
+def _branch_exists(hub: Hub, revision: str) -> bool:
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    def probe() -> bool:
+        try:
+            hub.api.repo_info(hub.repo, revision=revision)
+        except RevisionNotFoundError:
+            return False
+        return True
+    return hub.call(f"reading branch {revision}", probe)
+
+
+def _head(hub: Hub, branch: str) -> str:
+    return hub.call(f"reading {branch}", hub.api.repo_info, hub.repo, revision=branch).sha
+
+
+def _remote(hub: Hub, paths: list[str], commit: str) -> dict:
+    infos = hub.call("listing the remote files", hub.api.get_paths_info, hub.repo, paths, revision=commit)
+    return {i.path: i for i in infos if hasattr(i, "blob_id")}
+
+
+def _changed(hub: Hub, additions: dict, commit: str, files: list[ArtifactFile]) -> list[str]:
+    remote = _remote(hub, list(additions), commit)
+    return [p for p, op in additions.items() if not _same(remote.get(p), op, files, p)]
+
+
+def _same(remote, op, files, path) -> bool:
+    """Whether the remote file at the parent commit already has these bytes (LFS: sha256; regular: git blob id)."""
+    if remote is None:
+        return False
+    if remote.lfs is not None:
+        return remote.lfs.sha256 == op.upload_info.sha256.hex()
+    local = next(f.local for f in files if f.path_in_repo == path)
+    if remote.size != local.stat().st_size:
+        return False
+    data = local.read_bytes()   # a regular (non-LFS) file on the Hub is small
+    return remote.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _commit(hub: Hub, ops, summary: str, branch: str, parent: str, create_pr: bool, additions,
+            files) -> tuple[str, str | None]:
+    """create_commit with parent_commit -> (commit, pull-request url); a lost reply is settled by reading the
+    branch again (see the module)."""
+    for attempt in range(hub.retries + 1):
+        try:
+            info = hub.api.create_commit(hub.repo, ops, commit_message=summary, revision=branch,
+                                         parent_commit=parent, create_pr=create_pr)
+            return info.oid, info.pr_url
+        except Exception as e:  # noqa: BLE001 - sorted by hub.error / is_transient
+            if not is_transient(e) or attempt == hub.retries:
+                raise hub.error("committing", e) from None
+            if create_pr:
+                raise NetworkError(f"{hub.repo}: the Hub did not answer the pull-request commit "
+                                   f"({type(e).__name__}); look at the repo's pull requests before pushing "
+                                   f"again") from None
+            time.sleep(min(30.0, hub.backoff * 2 ** attempt))
+            head = _head(hub, branch)
+            if head != parent:
+                if not _changed(hub, additions, head, files):
+                    return head, None
+                raise NetworkError(f"{hub.repo}@{branch} moved to {head[:12]} while pushing (someone else "
+                                   f"committed); nothing of this push was committed; push again") from None
+    raise AssertionError("unreachable")
+
+
+def _default_message(files: list[ArtifactFile], changed: list[str]) -> str:
+    tops = sorted({p.split("/")[0] for p in changed})
+    return f"quantkit: upload {', '.join(tops[:4])}{' …' if len(tops) > 4 else ''}"
