@@ -87,11 +87,45 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
 
 
 def push(artifacts, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
-         message: str | None = None, token: str | None = None, progress: Progress = null_progress):
-    """Upload finished artifacts to the Hub repo `repo` as one commit (quantkit.publish.push)."""
+         message: str | None = None, token: str | None = None, card: bool = True, base_model: str | None = None,
+         license: str | None = None, progress: Progress = null_progress):
+    """Upload finished artifacts to the Hub repo `repo` as one commit, with its model card regenerated
+    (quantkit.publish.push)."""
     from .publish import push as _push
     return _push(artifacts, repo, revision=revision, private=private, create_pr=create_pr, message=message,
-                 token=token, progress=progress)
+                 token=token, card=card, base_model=base_model, license=license, progress=progress)
+
+
+def card(artifacts, repo: str, out: str | Path, *, base_model: str | None = None,
+         license: str | None = None) -> list[Path]:
+    """The model card (README.md and its plot) a push of `artifacts` to `repo` would write, into `out`."""
+    from .artifact import atomic_file, ensure_output_dir
+    from .publish import card_files, placement, row_for
+    from .publish.contents import artifact_files
+    artifact_files([Path(a) for a in artifacts])   # the same completeness checks as a push
+    rows = [row_for(a, place) for a, place in placement([Path(a) for a in artifacts]).items()]
+    written = []
+    for name, data in card_files(repo, rows, base_model=base_model, license=license).items():
+        target = ensure_output_dir(Path(out)) / name
+        with atomic_file(target) as tmp:
+            tmp.write_bytes(data)
+        written.append(target)
+    return written
+
+
+def check_recordable(spec: str) -> None:
+    """A usage error unless `spec` is a quantized artifact on disk (what --record can store figures in)."""
+    path = Path(spec).expanduser()
+    if not path.exists() or backend_for_artifact(path) is None:
+        raise UsageError(f"--record: {spec} is not a quantized artifact on disk; figures are recorded in an "
+                         f"artifact's quantkit.json")
+
+
+def record_metrics(artifact: str | Path, result: EvalResult, data: str | Path, runtime: str,
+                   activations: str) -> Path:
+    """Store an evaluation of `artifact` in its record (quantkit.json, or NAME.gguf.quantkit.json)."""
+    from .publish import write_metrics
+    return write_metrics(Path(artifact), result, Path(data), runtime, activations)
 
 
 def check_repo_id(repo: str) -> None:

@@ -94,13 +94,20 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
                                          help="quantkit (own dequantization), llama.cpp (GGUF in llama.cpp) or transformers (GPTQ in transformers + GPTQModel, bnb in transformers + bitsandbytes)."),
              activations: str = typer.Option("exact", "--activations",
                                              help="exact, or round each linear's input as its runtime does: llama.cpp (GGUF), bitsandbytes (bnb: LLM.int8's int8 products, the 4-bit compute dtype)."),
+             record: bool = typer.Option(False, "--record", help="Store the figures and the protocol in the artifact's record (quantkit.json), for cards and reports."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
     """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
     from . import api
     from .progress import rich_progress
+    if record:
+        api.check_recordable(model)   # before the evaluation, not after it
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
         result = api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device,
                               runtime=runtime, activations=activations, progress=progress)
+    if record:
+        where = api.record_metrics(model, result, data, runtime, activations)
+        if not as_json:
+            err.print(f"recorded in {where}", highlight=False)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -207,17 +214,34 @@ def push(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and 
          create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing to the branch."),
          message: Optional[str] = typer.Option(None, "--message", help="Commit message."),
          token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN or the huggingface_hub login)."),
+         card: bool = typer.Option(True, "--card/--no-card", help="Regenerate the repo's README.md model card (and its plot)."),
+         base_model: Optional[str] = typer.Option(None, "--base-model", help="The original's Hub id, for the card (default: from the artifacts' records)."),
+         license: Optional[str] = typer.Option(None, "--license", help="License id for the card (e.g. apache-2.0; default: the demo's, else none)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Upload artifacts to a Hub repo as one commit; files the repo already has are not sent again."""
     from . import api
     from .progress import rich_progress
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
         result = api.push(artifacts, repo, revision=revision, private=private, create_pr=create_pr,
-                          message=message, token=token, progress=progress)
+                          message=message, token=token, card=card, base_model=base_model, license=license,
+                          progress=progress)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
     _render_push(result)
+
+
+@app.command("card")
+def card_cmd(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and .gguf files."),
+             repo: str = typer.Option(..., "--repo", help="ORG/NAME the card is for (used in its run commands)."),
+             output: Path = typer.Option(Path("."), "-o", "--output", help="Folder for README.md and the plot."),
+             base_model: Optional[str] = typer.Option(None, "--base-model", help="The original's Hub id."),
+             license: Optional[str] = typer.Option(None, "--license", help="License id for the card.")):
+    """Write the model card a push would make (README.md and its plot), without pushing."""
+    from . import api
+    api.check_repo_id(repo)
+    for p in api.card(artifacts, repo, output, base_model=base_model, license=license):
+        out.print(f"wrote {p}")
 
 
 def _render_push(r) -> None:

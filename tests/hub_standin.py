@@ -64,6 +64,7 @@ class HubStandIn:
     def __init__(self, repos: dict[str, Path] | None = None,
                  commit: str = "0123456789abcdef0123456789abcdef01234567",
                  tokens: dict[str, str] | None = None, delay: float = 3.0):
+        self.commit = commit                    # the first commit of every folder-backed repo
         self.repos: dict[str, Repo] = {}
         self.lfs: dict[str, bytes] = {}
         self.tokens = tokens

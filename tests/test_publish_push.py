@@ -44,8 +44,10 @@ def local_files(artifacts: list[Path]) -> dict[str, bytes]:
     return {**files, gguf.name: gguf.read_bytes()}
 
 
-def same_files(a: dict[str, bytes], b: dict[str, bytes]) -> bool:
-    return sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
+def same_files(remote: dict[str, bytes], local: dict[str, bytes]) -> bool:
+    """The repo holds the local files byte for byte, and the card quantkit made (tests/test_publish_card.py)."""
+    card = remote.pop("README.md", b"")
+    return b"quantkit-rows" in card and sorted(remote) == sorted(local) and all(remote[k] == local[k] for k in local)
 
 
 def downloaded(hub, tmp_path, revision="main") -> dict[str, bytes]:

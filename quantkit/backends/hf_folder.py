@@ -34,6 +34,7 @@ def write_side_files(model, folder: Path, quantization_config: dict, info: dict,
         if (model.folder / name).exists():
             shutil.copyfile(model.folder / name, folder / name)
     record = {"quantkit_version": __version__, **info, "source": {"model": model.name, "revision": model.revision},
+              "parameters": model.parameter_count(),   # the original's, so a card can give bits per weight
               "files": {p.name: sha256_file(p) for p in weight_files}}
     (folder / "quantkit.json").write_text(json.dumps(record, indent=2) + "\n")
 

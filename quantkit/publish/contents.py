@@ -25,15 +25,13 @@ def artifact_files(artifacts: list[Path]) -> list[ArtifactFile]:
     """Every file the artifacts consist of, with its place in the repo; refuses anything incomplete."""
     if not artifacts:
         raise UsageError("nothing to push: name at least one artifact (a quantized folder or a .gguf file)")
-    artifacts = [Path(a) for a in artifacts]
-    folders = [a for a in artifacts if a.is_dir()]
     files: list[ArtifactFile] = []
-    for artifact in artifacts:
+    for artifact, place in placement([Path(a) for a in artifacts]).items():
         recorded = _check_complete(artifact)
         if artifact.is_file():
-            files.append(ArtifactFile(artifact, artifact.name))
+            files.append(ArtifactFile(artifact, place))
             continue
-        prefix = f"{artifact.name}/" if len(folders) > 1 else ""
+        prefix = f"{place}/" if place else ""
         for p in sorted(artifact.rglob("*")):
             rel = p.relative_to(artifact).as_posix()
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(artifact).parts):
@@ -45,6 +43,12 @@ def artifact_files(artifacts: list[Path]) -> list[ArtifactFile]:
                              f"push them to different repos or rename one")
         seen[f.path_in_repo] = f.local
     return files
+
+
+def placement(artifacts: list[Path]) -> dict[Path, str]:
+    """Each artifact's path in the repo ("" for a folder at the root)."""
+    folders = [a for a in artifacts if a.is_dir()]
+    return {a: a.name if a.is_file() or len(folders) > 1 else "" for a in artifacts}
 
 
 def _check_complete(artifact: Path) -> dict[str, str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..errors import NetworkError
 from ..progress import Progress, null_progress
-from .contents import ArtifactFile, artifact_files, check_digest
+from .card import card_files, merge_rows, row_for, rows_in
+from .contents import artifact_files, check_digest, placement
 from .hub import Hub, is_transient
 
 
@@ -40,10 +41,14 @@ class PushResult:
 
 
 def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None, private: bool = False,
-         create_pr: bool = False, message: str | None = None, token: str | None = None,
+         create_pr: bool = False, message: str | None = None, token: str | None = None, card: bool = True,
+         base_model: str | None = None, license: str | None = None,
          progress: Progress = null_progress) -> PushResult:
+    """With `card`, the repo's README.md (and its plot) is regenerated with a row per artifact, keeping the
+    rows of artifacts pushed before (card.py)."""
     from huggingface_hub import CommitOperationAdd
-    files = artifact_files([Path(a) for a in artifacts])
+    paths = [Path(a) for a in artifacts]
+    files = artifact_files(paths)
     hub = Hub(repo, token)
     task = progress.task("hashing files", total=len(files))
     additions: dict[str, CommitOperationAdd] = {}
@@ -52,13 +57,18 @@ def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None,
         check_digest(f, op.upload_info.sha256.hex())
         additions[f.path_in_repo] = op
         task.advance()
+    local_rows = [row_for(a, place) for a, place in placement(paths).items()] if card else []
     branch = revision or "main"
 
     hub.call("creating the repo", hub.api.create_repo, repo, private=private, exist_ok=True)
     if revision and not create_pr and not _branch_exists(hub, revision):
         hub.call(f"creating branch {revision}", hub.api.create_branch, repo, branch=revision, exist_ok=True)
     parent = _head(hub, branch)
-    changed = _changed(hub, additions, parent, files)
+    if card:
+        rows = merge_rows(rows_in(_remote_text(hub, "README.md", parent)), local_rows)
+        for name, data in card_files(repo, rows, base_model=base_model, license=license).items():
+            additions[name] = CommitOperationAdd(path_in_repo=name, path_or_fileobj=data)
+    changed = _changed(hub, additions, parent)
     result = PushResult(repo, branch, parent, unchanged=[p for p in additions if p not in changed])
     if not changed:
         return result
@@ -66,8 +76,8 @@ def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None,
     ops = [additions[p] for p in changed]
     hub.call("uploading files", hub.api.preupload_lfs_files, repo, additions=ops, revision=branch,
              create_pr=create_pr)
-    summary = message or _default_message(files, changed)
-    result.commit, result.pr_url = _commit(hub, ops, summary, branch, parent, create_pr, additions, files)
+    summary = message or _default_message(changed)
+    result.commit, result.pr_url = _commit(hub, ops, summary, branch, parent, create_pr, additions)
     result.uploaded = changed
     return result
 
@@ -88,31 +98,48 @@ def _head(hub: Hub, branch: str) -> str:
     return hub.call(f"reading {branch}", hub.api.repo_info, hub.repo, revision=branch).sha
 
 
+def _remote_text(hub: Hub, path: str, commit: str) -> str:
+    """A small text file of the repo at `commit` ("" when there is none)."""
+    import tempfile
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RemoteEntryNotFoundError
+
+    def fetch() -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = hf_hub_download(hub.repo, path, revision=commit, token=hub.token, cache_dir=tmp,
+                                        endpoint=hub.api.endpoint)
+            except (EntryNotFoundError, RemoteEntryNotFoundError):
+                return ""
+            return Path(local).read_text(encoding="utf-8", errors="replace")
+    return hub.call(f"reading {path}", fetch)
+
+
 def _remote(hub: Hub, paths: list[str], commit: str) -> dict:
     infos = hub.call("listing the remote files", hub.api.get_paths_info, hub.repo, paths, revision=commit)
     return {i.path: i for i in infos if hasattr(i, "blob_id")}
 
 
-def _changed(hub: Hub, additions: dict, commit: str, files: list[ArtifactFile]) -> list[str]:
+def _changed(hub: Hub, additions: dict, commit: str) -> list[str]:
     remote = _remote(hub, list(additions), commit)
-    return [p for p, op in additions.items() if not _same(remote.get(p), op, files, p)]
+    return [p for p, op in additions.items() if not _same(remote.get(p), op)]
 
 
-def _same(remote, op, files, path) -> bool:
+def _same(remote, op) -> bool:
     """Whether the remote file at the parent commit already has these bytes (LFS: sha256; regular: git blob id)."""
     if remote is None:
         return False
     if remote.lfs is not None:
         return remote.lfs.sha256 == op.upload_info.sha256.hex()
-    local = next(f.local for f in files if f.path_in_repo == path)
-    if remote.size != local.stat().st_size:
+    content = op.path_or_fileobj   # a file's path, or the card's bytes
+    data = content if isinstance(content, bytes) else Path(content).read_bytes()   # regular files are small
+    if remote.size != len(data):
         return False
-    data = local.read_bytes()   # a regular (non-LFS) file on the Hub is small
     return remote.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _commit(hub: Hub, ops, summary: str, branch: str, parent: str, create_pr: bool, additions,
-            files) -> tuple[str, str | None]:
+def _commit(hub: Hub, ops, summary: str, branch: str, parent: str, create_pr: bool,
+            additions) -> tuple[str, str | None]:
     """create_commit with parent_commit -> (commit, pull-request url); a lost reply is settled by reading the
     branch again (see the module)."""
     for attempt in range(hub.retries + 1):
@@ -130,13 +157,13 @@ def _commit(hub: Hub, ops, summary: str, branch: str, parent: str, create_pr: bo
             time.sleep(min(30.0, hub.backoff * 2 ** attempt))
             head = _head(hub, branch)
             if head != parent:
-                if not _changed(hub, additions, head, files):
+                if not _changed(hub, additions, head):
                     return head, None
                 raise NetworkError(f"{hub.repo}@{branch} moved to {head[:12]} while pushing (someone else "
                                    f"committed); nothing of this push was committed; push again") from None
     raise AssertionError("unreachable")
 
 
-def _default_message(files: list[ArtifactFile], changed: list[str]) -> str:
+def _default_message(changed: list[str]) -> str:
     tops = sorted({p.split("/")[0] for p in changed})
     return f"quantkit: upload {', '.join(tops[:4])}{' …' if len(tops) > 4 else ''}"
