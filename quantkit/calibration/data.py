@@ -291,4 +291,6 @@ def load_calibration(spec: CalibrationSpec, model, *, device=None, batch_size: i
     tokens, total = windows_from_documents(model.tokenizer, documents, spec, source.text, progress=progress)
     provenance.update({"separator": SEPARATOR, "special_tokens": False, "tokens_available": total,
                        "windows": WINDOWS_METHOD, "tokenizer": _tokenizer_info(model)})
+    if source.bundle:
+        provenance["bundle"] = source.bundle
     return CalibrationSet(tokens=tokens, spec=spec, provenance=provenance)

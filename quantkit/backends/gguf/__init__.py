@@ -19,6 +19,7 @@ from ...options import RunOptions
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
+from .split import parse_size
 from .tensors import expert_count, gguf_tensors, sliding_layers
 from .writer import FileJob, tensor_nbytes, write_files
 
@@ -34,19 +35,22 @@ class GGUFSettings:
     pure: bool = False
     tokenizer_pre: str | None = None
     imatrix: bool = False                          # collect an importance matrix in the calibration pass
+    split_max_bytes: int | None = None             # --split-max-size: llama.cpp's split layout (split.py)
 
 
 class GGUFBackend(Backend):
     name = "gguf"
     summary = "llama.cpp GGUF v3: legacy, K-quant and IQ4 types, llama-quantize mixtures"
     owned_options = {"tensor_type": "per-tensor GGUF types", "pure": "GGUF without mixture rules",
-                     "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization"}
+                     "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization",
+                     "split_max_size": "splits GGUF files"}
 
     def settings(self, options: dict) -> GGUFSettings:
         return GGUFSettings(run=RunOptions.from_dict(options),
                             overrides=tuple(_split_override(o) for o in options.get("tensor_type") or ()),
                             pure=bool(options.get("pure")), tokenizer_pre=options.get("tokenizer_pre"),
-                            imatrix=bool(options.get("imatrix")))
+                            imatrix=bool(options.get("imatrix")),
+                            split_max_bytes=parse_size(options["split_max_size"]) if options.get("split_max_size") else None)
 
     def pass_jobs(self, model, items, settings: GGUFSettings) -> list:
         """The importance matrix, when asked for: llama-imatrix's statistics from the shared capture pass."""
@@ -82,8 +86,13 @@ class GGUFBackend(Backend):
         for t, c in zip(tensors, choices):
             rows.append(PlanRow(t.name, t.ne, c.qtype.name, tensor_nbytes(t, c.qtype), c.reason))
         largest = max(int(np.prod(t.shape)) for t in tensors)
-        path = Path(out_dir) / output_name(model, variant.name)
-        plan = Plan("gguf", variant.name, str(path), rows)
+        job = FileJob(Path(out_dir) / output_name(model, variant.name), 0,
+                      {t.name: c.qtype for t, c in zip(tensors, choices)}, settings.split_max_bytes)
+        paths, _ = job.parts(tensors)
+        plan = Plan("gguf", variant.name, str(paths[0]), rows)
+        if len(paths) > 1:
+            plan.extra["split"] = (f"{len(paths)} files of at most {settings.split_max_bytes / 1e9:g} GB of tensor "
+                                   f"data ({paths[0].name} … {paths[-1].name}); llama.cpp loads the first")
         plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
         windowed = [i for i, slides in enumerate(sliding_layers(model)) if slides]
@@ -121,8 +130,9 @@ class GGUFBackend(Backend):
         for collector in collected or ():
             imatrix = collector.result()
             imatrix_info = {"dataset": settings.run.calib, "chunks": collector.chunks}
-        jobs = [FileJob(Path(plan.output), int(spec.file_type),
-                        {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}) for spec, plan in items]
+        jobs = [FileJob(Path(out_dir) / output_name(model, spec.name), int(spec.file_type),
+                        {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, settings.split_max_bytes)
+                for spec, plan in items]
         return write_files(model, tensors, jobs, name=model_base_name(model.name),
                            device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
                            progress=progress, imatrix=imatrix, imatrix_info=imatrix_info)

@@ -14,6 +14,7 @@ from ...model.checkpoint import Described
 from ...model.config import ModelConfig
 from . import encoders
 from .activations import activation_fn
+from .split import all_parts
 from .tensors import ARCHES, EXPERT_RENORMALIZE, NORM_SHIFT, expert_stacks, unpermute_qk
 
 _KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
@@ -27,6 +28,13 @@ def open_reader(path: Path) -> gguf.GGUFReader:
         return gguf.GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise SourceError(f"{path}: not a readable GGUF file ({e})".splitlines()[0]) from None
+
+
+def open_readers(path: Path) -> list[gguf.GGUFReader]:
+    """A file's reader, or a split file's readers part by part (path: its first part; split.py)."""
+    first = open_reader(path)
+    parts = all_parts(Path(path), field_value(first, gguf.Keys.Split.LLM_KV_SPLIT_COUNT))
+    return [first] + [open_reader(p) for p in parts[1:]]
 
 
 def field_value(reader: gguf.GGUFReader, key: str):
@@ -59,16 +67,16 @@ def _expert_config(arch: str, kv: dict) -> dict:
     return extra
 
 
-def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict, tensor) -> dict:
+def _arch_config(reader: gguf.GGUFReader, arch: str, raw: dict, tensor, names: set[str]) -> dict:
     """The config keys a family's block description reads, as llama.cpp interprets the file: Gemma's softcaps
     and window, its query scale (llama.cpp: 1/sqrt(head size)) and Gemma 3's per-layer-type RoPE; Phi-3's
-    partial rotary, window and longrope factors (`tensor(name)` reads a tensor of the file)."""
+    partial rotary, window and longrope factors (`tensor(name)` reads a tensor of the file, `names` are all its
+    tensors' names)."""
     get = lambda key: field_value(reader, f"{arch}.{key}")
     if arch == "phi3":
         # the window key is written, but llama.cpp runs Phi-3 without it (its loader turns Phi SWA off)
         extra = {"partial_rotary_factor": (get("rope.dimension_count") or raw["head_dim"]) / raw["head_dim"],
                  "original_max_position_embeddings": get("rope.scaling.original_context_length")}
-        names = {t.name for t in reader.tensors}
         if "rope_factors_long.weight" in names:
             extra["rope_parameters"] = {"rope_type": "longrope", "rope_theta": raw["rope_theta"],
                                         "long_factor": tensor("rope_factors_long.weight").flatten().tolist(),
@@ -105,7 +113,8 @@ class GGUFModel(Described):
             raise UsageError(f"--activations {activations!r}: expected exact or llama.cpp")
         self.emulate = activations == "llama.cpp"
         self.name = self.path.name
-        self.reader = open_reader(self.path)
+        self.readers = open_readers(self.path)
+        self.reader = self.readers[0]   # the metadata is in the first part
         self.base = base
         arch = field_value(self.reader, "general.architecture")
         if arch not in ARCHES:
@@ -116,7 +125,7 @@ class GGUFModel(Described):
         self.adapter = adapter_for(model_type)
         if kv["embedding_length"] is None or kv["block_count"] is None:
             raise SourceError(f"{path}: missing {arch} hyper-parameters")
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for r in self.readers for t in r.tensors}
         n_vocab = int(self.tensors["token_embd.weight"].shape[1])
         heads = kv["attention.head_count"]
         raw = {"model_type": model_type, "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
@@ -126,8 +135,7 @@ class GGUFModel(Described):
                "rms_norm_eps": kv["attention.layer_norm_rms_epsilon"], "rope_theta": kv["rope.freq_base"] or 10000.0,
                "tie_word_embeddings": "output.weight" not in self.tensors,
                "max_position_embeddings": kv["context_length"] or 2048}
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        raw.update(_arch_config(self.reader, arch, raw, self.gguf_tensor))
+        raw.update(_arch_config(self.reader, arch, raw, self.gguf_tensor, set(self.tensors)))
         raw.update(_expert_config(arch, kv))
         if "rope_freqs.weight" in self.tensors:   # llama3 scaling, stored as one divisor per frequency
             factors = self.gguf_tensor("rope_freqs.weight").flatten().tolist()
@@ -214,9 +222,10 @@ class GGUFModel(Described):
 
 
 def describe(path: Path) -> dict:
-    reader = open_reader(path)
+    readers = open_readers(path)
+    reader = readers[0]
     rows, total_bytes, total_weights = [], 0, 0
-    for t in reader.tensors:
+    for t in (t for r in readers for t in r.tensors):
         qtype = gguf.GGMLQuantizationType(t.tensor_type)
         n = int(t.n_elements)
         rows.append({"name": t.name, "shape": [int(d) for d in t.shape.tolist()], "type": qtype.name,
@@ -233,7 +242,9 @@ def describe(path: Path) -> dict:
         ftype_name = gguf.LlamaFileType(ftype).name if ftype is not None else None
     except ValueError:
         ftype_name = str(ftype)
-    return {"kind": "gguf", "file": str(path), "file_size": path.stat().st_size,
+    parts = all_parts(Path(path), metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT))
+    return {"kind": "gguf", "file": str(path), "file_size": sum(p.stat().st_size for p in parts),
+            **({"split_parts": [p.name for p in parts]} if len(parts) > 1 else {}),
             "architecture": metadata.get("general.architecture"), "name": metadata.get("general.name"),
             "file_type": ftype_name, "tensor_count": len(rows), "parameters": total_weights,
             "bits_per_weight": round(8 * total_bytes / max(total_weights, 1), 4),

@@ -22,6 +22,7 @@ from ...model.checkpoint import Checkpoint
 from ...progress import Progress
 from . import encoders, fusion
 from .metadata import add_hparams, add_tokenizer
+from .split import part_path, partition, split_keys
 from .tensors import GGUFTensor, load_source
 
 
@@ -30,6 +31,15 @@ class FileJob:
     path: Path
     file_type: int                                  # general.file_type
     types: dict[str, gguf.GGMLQuantizationType]     # GGUF tensor name -> type
+    split_max_bytes: int | None = None              # llama.cpp's split layout (split.py) above this size
+
+    def parts(self, tensors: list[GGUFTensor]) -> tuple[list[Path], list[int]]:
+        """The files written (one, or the split's parts) and each tensor's part."""
+        where = partition([tensor_nbytes(t, self.types[t.name]) for t in tensors], self.split_max_bytes)
+        count = max(where, default=0) + 1
+        if count == 1:
+            return [self.path], where
+        return [part_path(self.path, i, count) for i in range(count)], where
 
 
 def byte_shape(t: GGUFTensor, qtype: gguf.GGMLQuantizationType) -> tuple[int, ...]:
@@ -103,41 +113,52 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
         template.add_uint32("quantize.imatrix.entries_count", len(imatrix))
         template.add_uint32("quantize.imatrix.chunks_count", int(info.get("chunks", 0)))
     with ExitStack() as stack:
-        writers = []
+        writers = []   # per job, the writer of each tensor (its part's)
         for job in jobs:
-            tmp = stack.enter_context(atomic_file(job.path))
-            w = gguf.GGUFWriter(None, arch)
-            w.kv_data = copy.deepcopy(template.kv_data)
-            w.add_file_type(job.file_type)
-            for t in tensors:
-                q = job.types[t.name]
-                w.add_tensor_info(t.name, byte_shape(t, q), np.dtype(np.uint8), tensor_nbytes(t, q), raw_dtype=q)
-            stack.callback(w.close)
-            w.write_header_to_file(tmp)
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            writers.append(w)
+            paths, where = job.parts(tensors)
+            parts = []
+            for no, path in enumerate(paths):
+                tmp = stack.enter_context(atomic_file(path))
+                w = gguf.GGUFWriter(None, arch)
+                if no == 0:
+                    w.kv_data = copy.deepcopy(template.kv_data)
+                    w.add_file_type(job.file_type)
+                else:   # a split's other parts carry only the split keys (not even the architecture)
+                    w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)
+                if len(paths) > 1:
+                    split_keys(w, no, len(paths), len(tensors))
+                for t, part in zip(tensors, where):
+                    if part == no:
+                        q = job.types[t.name]
+                        w.add_tensor_info(t.name, byte_shape(t, q), np.dtype(np.uint8), tensor_nbytes(t, q), raw_dtype=q)
+                stack.callback(w.close)
+                w.write_header_to_file(tmp)
+                w.write_kv_data_to_file()
+                w.write_ti_data_to_file()
+                parts.append(w)
+            writers.append([parts[part] for part in where])
         # each (tensor, type) is encoded once however many files want it
         fusion.plan_work(sum(math.prod(t.shape) for t in tensors
                              for q in {job.types[t.name] for job in jobs} if q in encoders.FUSED_TYPES))
         tasks = [progress.task(job.path.name, total=len(tensors)) for job in jobs]
-        for t in tensors:
+        for i, t in enumerate(tensors):
             src = load_source(model, t)
             # one reduction catches NaN/inf (a finite sum overflowing only costs the full check)
             if not torch.isfinite(src.sum()) and not torch.isfinite(src).all():
                 raise QuantizationError(f"{t.source or t.name}: contains NaN or infinite values; cannot quantize")
             src = src.to(device).reshape(-1, t.shape[-1])
             done: dict[gguf.GGMLQuantizationType, np.ndarray | _Streamed] = {}
-            for job, w, task in zip(jobs, writers, tasks):
+            for job, per_tensor, task in zip(jobs, writers, tasks):
                 q = job.types[t.name]
                 if q not in done and q in _PLAIN:
                     done[q] = _Streamed(src, q, tensor_nbytes(t, q))
                 elif q not in done:
                     done[q] = _encode(src, t, q, imatrix)
-                w.write_tensor_data(done[q])
+                per_tensor[i].write_tensor_data(done[q])
                 task.advance()
             del src, done
-        for w, task in zip(writers, tasks):
-            w.close()
+        for per_tensor, task in zip(writers, tasks):
+            for w in dict.fromkeys(per_tensor):
+                w.close()
             task.done()
-    return [job.path for job in jobs]
+    return [job.parts(tensors)[0][0] for job in jobs]
