@@ -199,3 +199,22 @@ def test_convert_push_to_hub(tiny_gguf_source, hub_env, tmp_path, tmp_path_facto
     assert hub_env.files(REPO)[gguf.name] == gguf.read_bytes()
     r = run_cli("convert", str(tiny_gguf_source), "-f", "gguf:Q8_0", "-o", str(out), "--push-to-hub", "bad name")
     assert r.returncode == 2 and "not valid" in r.stderr
+
+
+def test_a_split_gguf_is_pushed_whole(tiny_gguf_source, hub_env, tmp_path):
+    (first,) = api.convert(str(tiny_gguf_source), ["gguf:Q8_0"], tmp_path / "split",
+                           options={"device": "cpu", "tokenizer_pre": "gpt-2", "split_max_size": "300K"})
+    parts = sorted(first.parent.glob("*.gguf"))
+    assert len(parts) > 1
+    result = api.push([first], REPO, token=WRITE)
+    assert sorted(result.uploaded) == sorted([p.name for p in parts] + ["README.md"])
+    assert all(hub_env.files(REPO)[p.name] == p.read_bytes() for p in parts)
+
+
+def test_a_gguf_above_the_file_limit_is_pushed_split(artifacts, hub_env, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_PUSH_SPLIT_SIZE", "400K")   # stands for the Hub's 50 GB
+    gguf_file = artifacts[1]
+    result = api.push([gguf_file], REPO, token=WRITE, card=False)
+    parts = sorted((gguf_file.parent / (gguf_file.stem + ".split")).glob("*.gguf"))
+    assert len(parts) > 1 and sorted(result.uploaded) == [p.name for p in parts]
+    assert gguf_file.name not in hub_env.files(REPO)

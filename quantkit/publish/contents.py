@@ -28,8 +28,9 @@ def artifact_files(artifacts: list[Path]) -> list[ArtifactFile]:
     files: list[ArtifactFile] = []
     for artifact, place in placement([Path(a) for a in artifacts]).items():
         recorded = _check_complete(artifact)
-        if artifact.is_file():
-            files.append(ArtifactFile(artifact, place))
+        if artifact.is_file():   # a GGUF file, or the first part of a split one (then every part)
+            parts = recorded.get("split_parts") or [artifact.name]
+            files += [ArtifactFile(artifact.with_name(name), name) for name in parts]
             continue
         prefix = f"{place}/" if place else ""
         for p in sorted(artifact.rglob("*")):
@@ -52,7 +53,8 @@ def placement(artifacts: list[Path]) -> dict[Path, str]:
 
 
 def _check_complete(artifact: Path) -> dict[str, str]:
-    """The sha256 quantkit.json records per file (a folder), {} for a GGUF file that parses to its end."""
+    """The sha256 quantkit.json records per file (a folder); for a GGUF file that parses to its end, {} or
+    its split parts' names."""
     if not artifact.exists():
         raise SourceError(f"{artifact}: no such artifact")
     if artifact.name.startswith(".partial-"):
@@ -64,12 +66,12 @@ def _check_complete(artifact: Path) -> dict[str, str]:
         raise SourceError(f"{artifact}: {what}; push only artifacts quantkit convert wrote")
     if artifact.is_file():
         try:
-            backend.describe_artifact(artifact)
+            info = backend.describe_artifact(artifact)
         except QuantkitError as e:
             raise SourceError(f"{artifact}: unreadable ({e.message}); convert again") from None
         except (ValueError, OSError) as e:
             raise SourceError(f"{artifact}: unreadable or truncated ({e}); convert again") from None
-        return {}
+        return {"split_parts": info.get("split_parts")} if info.get("split_parts") else {}
     record = artifact / "quantkit.json"
     if not record.is_file():
         raise SourceError(f"{artifact}: no quantkit.json, so its files cannot be checked; convert again")

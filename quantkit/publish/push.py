@@ -11,6 +11,8 @@ files the push succeeded; if it moved otherwise, the push stops as stale; if not
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None,
     """With `card`, the repo's README.md (and its plot) is regenerated with a row per artifact, keeping the
     rows of artifacts pushed before (card.py)."""
     from huggingface_hub import CommitOperationAdd
-    paths = [Path(a) for a in artifacts]
+    paths = [_within_file_limit(Path(a)) for a in artifacts]
     files = artifact_files(paths)
     hub = Hub(repo, token)
     task = progress.task("hashing files", total=len(files))
@@ -80,6 +82,27 @@ def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None,
     result.commit, result.pr_url = _commit(hub, ops, summary, branch, parent, create_pr, additions)
     result.uploaded = changed
     return result
+
+
+# the Hub takes files up to 50 GB; a larger GGUF file is pushed as llama.cpp's split layout, as
+# llama-gguf-split --split-max-size 48G would make it
+SPLIT_ABOVE = "48G"
+
+
+def _within_file_limit(artifact: Path) -> Path:
+    """The artifact, or for a GGUF file above the limit its split parts' first (written beside it, in
+    NAME.split/, once; a later push reuses them)."""
+    from ..backends.gguf.split import PART_NAME, parse_size, split_file
+    limit = parse_size(os.environ.get("QUANTKIT_PUSH_SPLIT_SIZE") or SPLIT_ABOVE)
+    if not (artifact.is_file() and artifact.suffix == ".gguf" and artifact.stat().st_size > limit
+            and not PART_NAME.match(artifact.name)):
+        return artifact
+    folder = artifact.with_name(artifact.stem + ".split")
+    existing = sorted(folder.glob("*-00001-of-*.gguf")) if folder.is_dir() else []
+    if existing and existing[0].stat().st_mtime >= artifact.stat().st_mtime:
+        return existing[0]
+    shutil.rmtree(folder, ignore_errors=True)
+    return split_file(artifact, limit, folder)[0]
 
 
 def _branch_exists(hub: Hub, revision: str) -> bool:
