@@ -163,6 +163,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             gptq_block_size: Optional[int] = typer.Option(None, "--gptq-block-size", help="GPTQ: columns per lazy-batch block (default 128)."),
             bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="bnb 4-bit: bfloat16, float16 or float32 (default: the source's dtype)."),
             skip_modules: List[str] = typer.Option([], "--skip-modules", help="bnb: module name or pattern left unconverted, repeatable (replaces transformers' defaults; lm_head is always kept)."),
+            split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help="GGUF: write llama.cpp's split layout (NAME-00001-of-0000N.gguf), parts of at most this much tensor data (e.g. 48G; decimal units, as llama-gguf-split)."),
             max_shard_size: float = typer.Option(4.0, "--max-shard-size", help="Largest safetensors shard, GiB."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
             push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="ORG/NAME: push the artifacts when written, as one commit (see `quantkit push`)."),
@@ -178,7 +179,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
                "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
                "damp": damp, "damp_step": damp_step, "mse": mse, "gptq_block_size": gptq_block_size,
-               "bnb_compute_dtype": bnb_compute_dtype, "skip_modules": skip_modules,
+               "bnb_compute_dtype": bnb_compute_dtype, "skip_modules": skip_modules, "split_max_size": split_max_size,
                "max_shard_bytes": int(max_shard_size * 2**30)}
     if dry_run:
         plans = api.plan(model, fmt, output, options)
@@ -242,6 +243,67 @@ def card_cmd(artifacts: List[Path] = typer.Argument(..., help="Artifact folders 
     api.check_repo_id(repo)
     for p in api.card(artifacts, repo, output, base_model=base_model, license=license):
         out.print(f"wrote {p}")
+
+
+@app.command("run")
+def run_cmd(recipe: Path = typer.Argument(..., help="Recipe YAML (models × formats, calibration, eval, push)."),
+            dry_run: bool = typer.Option(False, "--dry-run", help="List the jobs (and which are finished) without running."),
+            shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run shard I of N (default: from CI_NODE_INDEX/TOTAL, Slurm array or JOB_COMPLETION_INDEX + QUANTKIT_SHARD_TOTAL)."),
+            force: bool = typer.Option(False, "--force/--resume", help="Redo finished jobs (default: --resume, skip them)."),
+            output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output folder (default: the recipe's `output:`)."),
+            executor: str = typer.Option("local", "--executor", help="local, or ray: each model group as a Ray task (quantkit[ray])."),
+            address: Optional[str] = typer.Option(None, "--address", help="Ray cluster: auto, ray://HOST:PORT (default: a local one)."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Run a recipe: each model read once for all its formats, a result.json per finished job; reruns skip finished jobs."""
+    from .progress import rich_progress
+    from .recipes import parse_shard, run_recipe, shard_from_environment
+    spec = parse_shard(shard) if shard else shard_from_environment()
+    with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
+        summary = run_recipe(recipe, shard_spec=spec, force=force, dry_run=dry_run, output=output,
+                             executor=executor, address=address, progress=progress)
+    if as_json:
+        print(json.dumps({"output": str(summary.output), "ran": summary.ran, "skipped": summary.skipped,
+                          "planned": summary.planned}, indent=2))
+    elif dry_run:
+        t = Table("job", "model", "format", "status", title=f"{recipe} → {summary.output}")
+        for j in summary.planned:
+            t.add_row(j["id"], j["model"], j["format"], j["status"])
+        out.print(t)
+    else:
+        t = Table("job", "model", "format", "status", title=f"{recipe} → {summary.output}")
+        for r in summary.ran:
+            t.add_row(r["id"], r["name"], r["format"], r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error']}")
+        out.print(t)
+        out.print(f"{len(summary.ran) - len(summary.failed)} done, {len(summary.failed)} failed, "
+                  f"{len(summary.skipped)} already finished", highlight=False)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@app.command("collect")
+def collect_cmd(folders: List[Path] = typer.Argument(..., help="Output folders of the shards (their results/)."),
+                recipe: Optional[Path] = typer.Option(None, "--recipe", help="The recipe: jobs with no result are reported missing."),
+                output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where report.json/.md and plots go (default: the first folder)."),
+                as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Merge the shards' results into one report; exits 1 when a job failed or is missing."""
+    from .recipes import collect
+    report = collect(folders, output or folders[0], recipe)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        t = Table("model", "format", "status", "perplexity", "mean KLD", "top-1")
+        for r in report.results:
+            m = r.get("metrics") or {}
+            t.add_row(r["name"], r["format"], r["status"], *(f"{m[k]:.4g}" if m.get(k) is not None else "–"
+                                                              for k in ("perplexity", "mean_kld", "top1_agreement")))
+        for m in report.missing:
+            t.add_row(m["model"], m["format"], "missing", "–", "–", "–")
+        out.print(t)
+        for p in report.files:
+            out.print(f"wrote {p}")
+    if not report.complete:
+        err.print(f"[red]error:[/] {len(report.failed)} failed, {len(report.missing)} missing", highlight=False)
+        raise typer.Exit(1)
 
 
 def _render_push(r) -> None:

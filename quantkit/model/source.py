@@ -45,6 +45,23 @@ def hub_endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
+def resolve_hub_revision(repo_id: str, revision: str | None) -> str:
+    """The commit `revision` (default: main) of a Hub model points at now, without downloading anything."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+    try:
+        return HfApi(endpoint=hub_endpoint()).model_info(repo_id, revision=revision).sha
+    except hf_errors.RevisionNotFoundError:
+        raise SourceError(f"{repo_id}: revision {revision!r} not found on the Hub") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise SourceError(f"{repo_id}: not found on the Hub (or private: set HF_TOKEN)") from None
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's HTTP client raises its own (httpx) network errors
+        network = {c.__name__ for c in type(e).__mro__} & {"OSError", "HfHubHTTPError", "TransportError", "HTTPError"}
+        if not network:
+            raise
+        raise NetworkError(f"{repo_id}: cannot reach the Hub to resolve its revision ({_cause(e)})") from None
+
+
 def download_from_hub(repo_id: str, revision: str | None) -> tuple[Path, str]:
     """snapshot_download of the files quantkit needs; returns (folder, resolved commit)."""
     try:
