@@ -1,11 +1,12 @@
-"""quantkit's GPTQ wall time at two commits of this repository, taking turns, on the same machine and input:
-whether a change made the calibrated path slower, apart from the machine's own drift (the GPTQModel benchmark's
-ratio moves with both).
+"""quantkit's wall time for one conversion at two commits of this repository, taking turns, on the same machine
+and input: whether a change made a path slower, apart from the machine's own drift (a benchmark's ratio against
+another tool moves with both).
 
-    python bench/gptq_two_commits.py OLD_COMMIT [NEW_COMMIT=working tree] [--rounds 2] [--variant 4bit-g128]
+    python bench/two_commits.py OLD_COMMIT [NEW_COMMIT=working tree] [--rounds 2] [--format gptq:4bit-g128]
+                                [--model demo:smollm2-135m]
 
-Each commit runs from its own `git worktree` (in bench/_work/commits); the demo model, wikitext-2 valid
-128 × 512 calibration, seed 0, CPU.  Prints each run and the medians; writes nothing under bench/results.
+Each commit runs from its own `git worktree` (in bench/_work/commits), CPU; calibrated formats (GPTQ) draw
+wikitext-2 valid 128 × 512, seed 0.  Prints each run and the medians; writes nothing under bench/results.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 # format an older commit does not have.
 CONVERT = ("import sys, importlib.metadata as md; everything = md.entry_points; "
            "md.entry_points = lambda **k: [] if k.get('group') == 'quantkit.backends' else everything(**k); "
-           "from quantkit import api; api.convert('demo:smollm2-135m', ['gptq:' + sys.argv[1]], sys.argv[2], "
-           "options={'calib': sys.argv[3], 'calib_samples': 128, 'calib_seqlen': 512, 'seed': 0, 'device': 'cpu'})")
+           "from quantkit import api; calib = sys.argv[4] or None; "
+           "api.convert(sys.argv[1], [sys.argv[2]], sys.argv[3], options={'calib': calib, 'calib_samples': 128, "
+           "'calib_seqlen': 512, 'seed': 0, 'device': 'cpu'})")
 
 
 def checkout(commit: str | None) -> Path:
@@ -43,7 +45,8 @@ def main() -> None:
     ap.add_argument("old")
     ap.add_argument("new", nargs="?")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variant", default="4bit-g128")
+    ap.add_argument("--format", default="gptq:4bit-g128")
+    ap.add_argument("--model", default="demo:smollm2-135m")
     args = ap.parse_args()
     trees = {args.old: checkout(args.old), args.new or "working tree": checkout(args.new)}
     times: dict[str, list[float]] = {name: [] for name in trees}
@@ -53,7 +56,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", CONVERT, args.variant, str(out), str(CALIB)], cwd=trees[name],
+            calib = str(CALIB) if args.format.startswith("gptq:") else ""
+            subprocess.run([sys.executable, "-c", CONVERT, args.model, args.format, str(out), calib], cwd=trees[name],
                            env={**os.environ, "PYTHONPATH": str(trees[name])}, check=True, capture_output=True)
             times[name].append(round(time.perf_counter() - t, 1))
             print(f"{name}: {times[name][-1]} s", flush=True)
