@@ -148,10 +148,10 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     options = options or {}
     settings = _settings(parsed, options)
     model = open_model(spec)
+    plans = [backend.plan(model, variant, Path(out), settings[backend.name]) for backend, _, variant in parsed]
     groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
-    for backend, _, variant in parsed:
-        items = groups.setdefault(backend.name, (backend, []))[1]
-        items.append((variant, backend.plan(model, variant, Path(out), settings[backend.name])))
+    for (backend, _, variant), plan_ in zip(parsed, plans):
+        groups.setdefault(backend.name, (backend, []))[1].append((variant, plan_))
     calibrated = [(b, v, p) for b, items in groups.values() if b.calibrated for v, p in items]
     collected = {name: b.pass_jobs(model, items, settings[name]) for name, (b, items) in groups.items()
                  if not b.calibrated}
@@ -162,7 +162,10 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     for name, (backend, items) in groups.items():
         if not backend.calibrated:
             written += backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
-    return written
+    # in the order the formats were asked for (the writing order groups them by format and calibration)
+    asked = [Path(p.output) for p in plans]
+    assert sorted(map(str, written)) == sorted(map(str, asked)), (written, asked)
+    return asked
 
 
 def calibration_spec(options: dict, formats: list[str]):

@@ -104,3 +104,14 @@ def test_an_option_of_a_format_not_in_the_run_is_refused(tiny_llama, tmp_path, a
     line = r.stderr.strip().splitlines()
     assert len(line) == 1 and flag in line[0] and "add -f" in line[0]
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+def test_convert_returns_the_artifacts_in_the_order_asked(tiny_gguf_source, tiny_text, tmp_path):
+    """Writing goes by format and calibration (GPTQ's pass first); what convert returns follows the -f order."""
+    from quantkit import api
+    formats = ["gguf:Q8_0", "bnb:nf4", "gptq:4bit-g128", "gguf:Q4_0"]
+    options = {"device": "cpu", "tokenizer_pre": "gpt-2", "calib": str(tiny_text), "calib_samples": 4,
+               "calib_seqlen": 32}
+    paths = api.convert(str(tiny_gguf_source), formats, tmp_path, options=options)
+    assert [str(p) for p in paths] == [p.output for p in api.plan(str(tiny_gguf_source), formats, tmp_path, options)]
+    assert [p.name.rsplit("-", 1)[-1] for p in paths] == ["Q8_0.gguf", "nf4", "g128", "Q4_0.gguf"]

@@ -120,6 +120,7 @@ def test_run_resume_after_sigkill_and_collect(two_models, tmp_path):
     assert r.returncode == 0, r.stderr
     first = json.loads(r.stdout)
     assert len(first["ran"]) == 6 and all(x["status"] == "ok" and x["metrics"]["mean_kld"] >= 0 for x in first["ran"])
+    assert all(x["format"].split(":")[1] in Path(x["artifact"]).name for x in first["ran"])   # each job its own
     again = json.loads(run_cli("run", str(whole), "--json").stdout)
     assert not again["ran"] and len(again["skipped"]) == 6
 
