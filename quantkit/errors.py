@@ -55,3 +55,12 @@ class DependencyError(QuantkitError):
 class QuantizationError(QuantkitError):
     """The numbers went wrong: non-finite weights, a Hessian that cannot be factored, ..."""
     exit_code = 9
+
+
+def is_network_failure(e: BaseException) -> bool:
+    """A timeout, reset or refused connection, whichever HTTP client raised it (httpx and its forks name their
+    classes TimeoutException / NetworkError / RemoteProtocolError / TransportError; the standard library's are
+    ConnectionError / TimeoutError), without importing the client huggingface_hub happens to use."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"TimeoutException", "NetworkError", "RemoteProtocolError", "TransportError",
+                         "ConnectionError", "TimeoutError"})

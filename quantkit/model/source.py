@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import DependencyError, NetworkError, SourceError
+from ..errors import DependencyError, NetworkError, SourceError, is_network_failure
 from .checkpoint import Checkpoint
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.\-]*/[\w.\-]+)(?:@(?P<rev>[\w.\-/]+))?$")
@@ -56,8 +56,7 @@ def resolve_hub_revision(repo_id: str, revision: str | None) -> str:
     except hf_errors.RepositoryNotFoundError:
         raise SourceError(f"{repo_id}: not found on the Hub (or private: set HF_TOKEN)") from None
     except Exception as e:  # noqa: BLE001 - huggingface_hub's HTTP client raises its own (httpx) network errors
-        network = {c.__name__ for c in type(e).__mro__} & {"OSError", "HfHubHTTPError", "TransportError", "HTTPError"}
-        if not network:
+        if not (isinstance(e, (OSError, hf_errors.HfHubHTTPError)) or is_network_failure(e)):
             raise
         raise NetworkError(f"{repo_id}: cannot reach the Hub to resolve its revision ({_cause(e)})") from None
 

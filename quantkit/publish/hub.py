@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import NetworkError, UsageError
+from ..errors import NetworkError, UsageError, is_network_failure
 
 T = TypeVar("T")
 TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
@@ -104,12 +104,7 @@ def status_of(e: BaseException) -> int | None:
 
 def is_transient(e: BaseException) -> bool:
     """A status the Hub answers when it is busy or down, or a network failure (timeout, reset, refused)."""
-    if status_of(e) in TRANSIENT_STATUS:
-        return True
-    names = {c.__name__ for c in type(e).__mro__}
-    # httpx's (and its forks') TimeoutException / NetworkError / RemoteProtocolError, without importing the
-    # client library huggingface_hub happens to use
-    return bool(names & {"TimeoutException", "NetworkError", "RemoteProtocolError", "ConnectionError", "TimeoutError"})
+    return status_of(e) in TRANSIENT_STATUS or is_network_failure(e)
 
 
 def first_line(e: BaseException) -> str:

@@ -129,7 +129,10 @@ def run_group(output: Path, group: Group, jobs: list[Job], progress: Progress) -
     from .. import api
     folder = Path(output) / group.name
     for stale in folder.glob(".partial-*") if folder.is_dir() else []:   # a killed run's unfinished writes
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
     settings = jobs[0].settings
     results = {j.id: _result(group, j) for j in jobs}
     t0 = time.perf_counter()
