@@ -143,7 +143,9 @@ def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = 
 
 
 def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | None = None,
-            progress: Progress = null_progress) -> list[Path]:
+            progress: Progress = null_progress, command: str | None = None) -> list[Path]:
+    """Write one artifact per format spec, in the order asked.  `command` (what the user ran, for the model
+    card) is stored in each artifact's record."""
     parsed = _parse_formats(formats)  # reject bad formats and options before touching the model
     options = options or {}
     settings = _settings(parsed, options)
@@ -165,6 +167,10 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     # in the order the formats were asked for (the writing order groups them by format and calibration)
     asked = [Path(p.output) for p in plans]
     assert sorted(map(str, written)) == sorted(map(str, asked)), (written, asked)
+    if command:
+        from .publish.record import write_origin
+        for path in asked:
+            write_origin(path, command, {"model": model.name, "revision": model.revision})
     return asked
 
 

@@ -3,6 +3,7 @@ and metrics recorded by `quantkit eval --record` into the artifact's record."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -137,3 +138,20 @@ def test_card_command_writes_readme_and_plot(measured, tmp_path):
     r = run_cli("card", *map(str, measured), "--repo", REPO, "-o", str(tmp_path / "card"))
     assert r.returncode == 0, r.stderr
     assert {p.name for p in (tmp_path / "card").iterdir()} == {"README.md", PLOT_NAME}
+
+
+def test_card_gives_the_exact_command_without_token_or_local_paths(tiny_gguf_source, tmp_path):
+    out = tmp_path / "out"
+    r = run_cli("convert", str(tiny_gguf_source), "-f", "gguf:Q8_0", "-f", "gguf:Q4_0", "--tokenizer-pre",
+                "gpt-2", "--device", "cpu", "-o", str(out), "--token", TOKEN)
+    assert r.returncode == 0, r.stderr
+    q8, q4 = out / f"{tiny_gguf_source.name}-Q8_0.gguf", out / f"{tiny_gguf_source.name}-Q4_0.gguf"
+    recorded = read_record(q8)
+    assert recorded["command"].startswith("quantkit convert ") and "-f gguf:Q8_0 -f gguf:Q4_0" in recorded["command"]
+    assert TOKEN not in recorded["command"] and "--token" not in shlex.split(recorded["command"])
+    assert recorded["source"]["model"] == str(tiny_gguf_source)
+    text = card_files(REPO, [api_row(q8), api_row(q4)])["README.md"].decode()
+    expected = (f"quantkit convert {tiny_gguf_source.name} -f gguf:Q8_0 -f gguf:Q4_0 --tokenizer-pre gpt-2 "
+                f"--device cpu -o out")
+    assert f"`{q8.name}`, `{q4.name}`:\n\n```bash\n{expected}\n```" in text    # one run, both files
+    assert str(tmp_path) not in text and TOKEN not in text

@@ -121,6 +121,8 @@ def test_run_resume_after_sigkill_and_collect(two_models, tmp_path):
     first = json.loads(r.stdout)
     assert len(first["ran"]) == 6 and all(x["status"] == "ok" and x["metrics"]["mean_kld"] >= 0 for x in first["ran"])
     assert all(x["format"].split(":")[1] in Path(x["artifact"]).name for x in first["ran"])   # each job its own
+    from quantkit.publish.record import read_record
+    assert {read_record(Path(x["artifact"]))["command"] for x in first["ran"]} == {f"quantkit run {whole.name}"}
     again = json.loads(run_cli("run", str(whole), "--json").stdout)
     assert not again["ran"] and len(again["skipped"]) == 6
 

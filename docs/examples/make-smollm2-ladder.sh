@@ -7,9 +7,10 @@ cd "$(dirname "$0")/../.."
 WORK="${WORK:-$(mktemp -d)}"
 DATA=../shared/data/wikitext2-test.raw.txt
 TYPES=(Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K Q8_0)
-quantkit convert demo:smollm2-135m $(printf -- '-f gguf:%s ' "${TYPES[@]}") -o "$WORK"
+# converted from inside $WORK, so the command the card shows reads `-o ladder` rather than a temporary path
+(cd "$WORK" && quantkit convert demo:smollm2-135m $(printf -- '-f gguf:%s ' "${TYPES[@]}") -o ladder)
 for t in "${TYPES[@]}"; do
-  quantkit eval "$WORK/smollm2-135m-$t.gguf" --base demo:smollm2-135m --data "$DATA" --ctx 512 --windows 8 --record
+  quantkit eval "$WORK/ladder/smollm2-135m-$t.gguf" --base demo:smollm2-135m --data "$DATA" --ctx 512 --windows 8 --record
 done
-quantkit card $(printf -- "$WORK/smollm2-135m-%s.gguf " "${TYPES[@]}") --repo quantkit-demo/SmolLM2-135M-Instruct-GGUF \
+quantkit card $(printf -- "$WORK/ladder/smollm2-135m-%s.gguf " "${TYPES[@]}") --repo quantkit-demo/SmolLM2-135M-Instruct-GGUF \
   -o docs/examples/smollm2-ladder

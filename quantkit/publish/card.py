@@ -35,6 +35,7 @@ class CardRow:
     metrics: dict | None = None           # perplexity, base_perplexity, mean_kld, top1_agreement, protocol
     calibration: dict | None = None       # source, samples, seqlen, token_hash
     source: dict = field(default_factory=dict)   # the model it was made from (name, revision)
+    command: str | None = None            # the quantkit command that made it, local paths shortened
 
     @property
     def label(self) -> str:
@@ -67,7 +68,8 @@ def row_for(artifact: Path, path_in_repo: str, parameters: int | None = None) ->
         metrics = {**metrics, "protocol": {**metrics["protocol"], "base": public_name(str(metrics["protocol"]["base"]))}}
     return CardRow(path=path_in_repo, format=backend.name, variant=str(variant), size=size, bits_per_weight=bpw,
                    metrics=metrics, calibration=calibration,
-                   source={"model": public_name(str(source.get("model", ""))), "revision": source.get("revision")})
+                   source={"model": public_name(str(source.get("model", ""))), "revision": source.get("revision")},
+                   command=public_command(record["command"]) if record.get("command") else None)
 
 
 def public_name(name: str) -> str:
@@ -76,6 +78,21 @@ def public_name(name: str) -> str:
     if name.startswith(("/", ".", "~")) or "\\" in name or Path(name).expanduser().exists():
         return Path(name).name
     return name
+
+
+def public_command(command: str) -> str:
+    """A recorded command with every local path (as a word or an --option=value) shortened by public_name."""
+    import shlex
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return command
+    def short(word: str) -> str:
+        key, eq, value = word.partition("=")
+        if eq and key.startswith("--"):
+            return f"{key}={public_name(value)}"
+        return word if word.startswith("-") else public_name(word)
+    return shlex.join([short(w) for w in words])
 
 
 def card_files(repo: str, rows: list[CardRow], *, base_model: str | None = None,
@@ -146,6 +163,7 @@ def card_text(repo: str, rows: list[CardRow], *, base_model: str | None, license
               f"quantkit {__version__}. Each artifact's `quantkit.json` (for a GGUF file, this card's row) holds "
               f"its source revision, settings and calibration provenance; the metrics are "
               f"`quantkit eval ARTIFACT --base MODEL --record` on the protocol given under the table.", ""]
+    lines += _commands(rows)
     lines += [f"<!-- {ROWS_MARK}", json.dumps([asdict(r) for r in rows], indent=None), "-->", ""]
     return "\n".join(lines)
 
@@ -201,6 +219,18 @@ def _how_to_run(repo: str, rows: list[CardRow]) -> list[str]:
                 f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{sub})', "```", ""]
         if r.format == "gptq" and not r.path:   # vLLM loads a repo's root, not a subfolder
             out += ["vLLM:", "", "```bash", f"vllm serve {repo}", "```", ""]
+    return out
+
+
+def _commands(rows: list[CardRow]) -> list[str]:
+    """Each command that made artifacts of the table, with the files it made (one run often makes several)."""
+    made: dict[str, list[str]] = {}
+    for r in rows:
+        if r.command:
+            made.setdefault(r.command, []).append(f"`{r.label}`")
+    out = []
+    for command, labels in made.items():
+        out += [f"{', '.join(labels)}:", "", "```bash", command, "```", ""]
     return out
 
 

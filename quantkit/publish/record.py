@@ -2,13 +2,15 @@
 metrics measured against the original with their protocol.
 
 A folder artifact keeps it in its quantkit.json (written by the format's writer); a GGUF file, whose bytes
-must stay llama.cpp's, keeps it beside itself in `NAME.gguf.quantkit.json`.  `quantkit eval --record` adds
-the metrics; cards and reports read them from here."""
+must stay llama.cpp's, keeps it beside itself in `NAME.gguf.quantkit.json`.  The CLI's convert (and a
+recipe) adds the command that made the artifact, `quantkit eval --record` the metrics; cards and reports read
+them from here."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from .. import __version__
 from ..artifact import atomic_file, sha256_file
 from ..errors import SourceError, UsageError
 
@@ -44,6 +46,20 @@ def write_metrics(artifact: Path, result, data: Path, runtime: str, activations:
     record = read_record(artifact)
     kept = [m for m in record.get("metrics", []) if m.get("protocol") != protocol]
     record["metrics"] = kept + [{"protocol": protocol, **figures}]
+    path = record_path(artifact)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def write_origin(artifact: Path, command: str, source: dict) -> Path:
+    """Put the command that made `artifact` (and, for a GGUF file, whose record starts here, the quantkit
+    version and the source) into its record, atomically."""
+    artifact = Path(artifact)
+    record = read_record(artifact)
+    record.setdefault("quantkit_version", __version__)
+    record.setdefault("source", source)
+    record["command"] = command
     path = record_path(artifact)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -39,6 +39,7 @@ class Group:
     revision: str | None
     jobs: list[Job] = field(default_factory=list)
     resources: dict = field(default_factory=lambda: {"num_cpus": 1, "num_gpus": 0})
+    command: str | None = None   # what made its artifacts, for their records and cards
 
 
 def _merged(defaults: Settings, entry: Settings) -> dict:

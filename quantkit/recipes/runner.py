@@ -50,6 +50,8 @@ def recipe_groups(path: Path, shard_spec: tuple[int, int] | None = None,
                 j.settings["calibration"]["source"] = _local(here, j.settings["calibration"]["source"])
             if j.settings["eval"]:
                 j.settings["eval"]["data"] = _local(here, j.settings["eval"]["data"])
+    for g in groups:
+        g.command = f"quantkit run {path.name}"
     if shard_spec is not None:
         groups = shard(groups, *shard_spec)
     return Path(output) if output is not None else _local_path(here, recipe.output), groups
@@ -138,7 +140,7 @@ def run_group(output: Path, group: Group, jobs: list[Job], progress: Progress) -
     t0 = time.perf_counter()
     try:
         paths = api.convert(group.model, [j.format for j in jobs], folder,
-                            options=_convert_options(settings, jobs), progress=progress)
+                            options=_convert_options(settings, jobs), progress=progress, command=group.command)
     except QuantkitError as e:
         return [_write(output, {**results[j.id], "status": "failed", "error": f"convert: {e.message}"}) for j in jobs]
     convert_s = round(time.perf_counter() - t0, 2)
