@@ -2,14 +2,14 @@
 (`from_pretrained(src, quantization_config=BitsAndBytesConfig(...), device_map="cpu")` + `save_pretrained`),
 same machine, same source, same settings.
 
-For each model (the demo, and the synthetic llama of bench/gguf_vs_llamacpp.py: hidden 2048, 8 layers, bf16,
->= 1 GiB) and each variant (nf4, nf4-dq, int8): wall time and peak RSS of both, taking turns `--repeats`
+For each model (the demo, the synthetic llama of bench/gguf_vs_llamacpp.py: hidden 2048, 8 layers, bf16,
+>= 1 GiB, and Qwen2.5-Coder-1.5B-Instruct, 3.4 GB bf16, built by ../shared/models/build.sh) and each variant (nf4, nf4-dq, int8): wall time and peak RSS of both, taking turns `--repeats`
 times (medians reported, samples kept in the JSON), and whether the two folders hold the same tensors, byte
 for byte, with the same quantization_config.  Then quantkit writing all three variants in one run (one read).
 Last, untimed: the demo's NF4 perplexity (wikitext-2 test, 40 × 512) through transformers' own path and
 through quantkit's reader, for both tools' folders.
 
-    python bench/bnb_vs_transformers.py [--models demo,synthetic] [--variants nf4,nf4-dq,int8] [--repeats 3]
+    python bench/bnb_vs_transformers.py [--models demo,synthetic,qwen] [--variants nf4,nf4-dq,int8] [--repeats 3]
 
 The driver imports no torch: each measured step runs in its own process, timed with os.wait4.
 """
@@ -133,7 +133,7 @@ def bench_model(label: str, slug: str, src: Path, variants: list[str], repeats: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="demo,synthetic")
+    ap.add_argument("--models", default="demo,synthetic,qwen")
     ap.add_argument("--variants", default="nf4,nf4-dq,int8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--windows", type=int, default=40)
@@ -156,6 +156,10 @@ def main() -> None:
     if "synthetic" in args.models:
         result["rows"] += bench_model("synthetic llama (hidden 2048, 8 layers, bf16)", "synthetic", SYNTHETIC, variants,
                                       args.repeats)
+    if "qwen" in args.models:
+        qwen = Path(subprocess.run(["bash", str(ROOT.parent / "shared" / "models" / "build.sh")], capture_output=True,
+                                   text=True, check=True).stdout.strip().splitlines()[-1])
+        result["rows"] += bench_model("Qwen2.5-Coder-1.5B-Instruct (bf16)", "qwen", qwen, variants, args.repeats)
     # quality last and untimed: the demo's nf4 folders, read by transformers + bitsandbytes and by quantkit
     if "demo" in args.models and DATA.is_file() and "nf4" in variants:
         qk_dir, tf_dir = folders("demo", "nf4")

@@ -161,6 +161,10 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             damp_step: Optional[float] = typer.Option(None, "--damp-step", help="GPTQ: added to --damp while Cholesky fails (default 0.01; 0 = never)."),
             mse: Optional[bool] = typer.Option(None, "--mse/--no-mse", help="GPTQ: search a shrunk grid range per group."),
             gptq_block_size: Optional[int] = typer.Option(None, "--gptq-block-size", help="GPTQ: columns per lazy-batch block (default 128)."),
+            awq_clip: Optional[bool] = typer.Option(None, "--awq-clip/--no-awq-clip", help="AWQ: the per-group clip search (default on)."),
+            awq_duo: Optional[bool] = typer.Option(None, "--awq-duo/--no-awq-duo", help="AWQ: score scales x̄^α / w̄^(1−α) (default on) or x̄^α alone."),
+            awq_grid: Optional[int] = typer.Option(None, "--awq-grid", help="AWQ: α candidates k/N, k < N (default 20)."),
+            awq_search_samples: Optional[int] = typer.Option(None, "--awq-search-samples", help="AWQ: calibration windows the scale search re-runs sub-blocks on (default 16; 0 = all)."),
             bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="bnb 4-bit: bfloat16, float16 or float32 (default: the source's dtype)."),
             skip_modules: List[str] = typer.Option([], "--skip-modules", help="bnb: module name or pattern left unconverted, repeatable (replaces transformers' defaults; lm_head is always kept)."),
             split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help="GGUF: write llama.cpp's split layout (NAME-00001-of-0000N.gguf), parts of at most this much tensor data (e.g. 48G; decimal units, as llama-gguf-split)."),
@@ -179,6 +183,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
                "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
                "damp": damp, "damp_step": damp_step, "mse": mse, "gptq_block_size": gptq_block_size,
+               "awq_clip": awq_clip, "awq_duo": awq_duo, "awq_grid": awq_grid, "awq_search_samples": awq_search_samples,
                "bnb_compute_dtype": bnb_compute_dtype, "skip_modules": skip_modules, "split_max_size": split_max_size,
                "max_shard_bytes": int(max_shard_size * 2**30)}
     if dry_run:
@@ -192,7 +197,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
     if push_to_hub:
         api.check_repo_id(push_to_hub)   # a bad repo id is refused before hours of work, not after
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
-        paths = api.convert(model, fmt, output, options=options, progress=progress)
+        paths = api.convert(model, fmt, output, options=options, progress=progress, command=_command_line())
     pushed = None
     if push_to_hub:
         with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
@@ -304,6 +309,21 @@ def collect_cmd(folders: List[Path] = typer.Argument(..., help="Output folders o
     if not report.complete:
         err.print(f"[red]error:[/] {len(report.failed)} failed, {len(report.missing)} missing", highlight=False)
         raise typer.Exit(1)
+
+
+def _command_line() -> str:
+    """The command as typed, for the artifact's record and its card; a --token and its value are left out."""
+    import shlex
+    words, skip = [], False
+    for word in sys.argv[1:]:
+        if skip or word.startswith("--token="):
+            skip = False
+            continue
+        if word == "--token":
+            skip = True
+            continue
+        words.append(word)
+    return shlex.join(["quantkit", *words])
 
 
 def _render_push(r) -> None:

@@ -125,7 +125,7 @@ class Backend:
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.
 BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND",
-           "bnb": "quantkit.backends.bnb:BACKEND"}
+           "awq": "quantkit.backends.awq:BACKEND", "bnb": "quantkit.backends.bnb:BACKEND"}
 
 
 def _load_builtin(ref: str) -> Backend:

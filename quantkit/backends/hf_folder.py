@@ -1,13 +1,17 @@
-"""What every quantized Hugging Face folder shares, whichever format wrote it (GPTQ, bnb; AWQ next).
+"""What every quantized Hugging Face folder shares, whichever format wrote it (GPTQ, AWQ, bnb).
 
-Writing: the side files — config.json with the format's `quantization_config`, the tokenizer and generation
-config copied from the source, and quantkit.json (what was done, from what, each weight file's sha256).
+Writing: the file layout around the quantized linears (`checkpoint_specs`: embeddings, norms, head and
+anything beside the language model in the source dtype, in transformers' order; `LayerJobWriter`: the
+tensors a calibrated format's job does not quantize, layer by layer and at the end), and the side files —
+config.json with the format's `quantization_config`, the tokenizer and generation config copied from the
+source, and quantkit.json (what was done, from what, each weight file's sha256).
 Reading: `QuantizedFolder`, the folder as a model whose quantized linears the format's reader dequantizes."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -15,12 +19,82 @@ from .. import __version__
 from ..artifact import sha256_file
 from ..model.adapters import adapter_for
 from ..model.checkpoint import ModelFolder
+from ..model.checkpoint import StoredLinear
 from ..model.config import ModelConfig
-from ..model.safetensors_reader import SafetensorsCheckpoint
+from ..model.safetensors_reader import DTYPES, SafetensorsCheckpoint
+from ..model.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                 "generation_config.json")
+
+
+def checkpoint_specs(model, quantized_specs: Callable[[StoredLinear], list[TensorSpec]]) -> list[TensorSpec]:
+    """Every tensor of a quantized folder, in file order (by layer, as transformers lays them out): each stored
+    linear of a decoder layer as `quantized_specs` gives it, everything else as the source stores it."""
+    adapter, weights = model.adapter, model.weights
+
+    def plain(name: str) -> TensorSpec:
+        e = weights.entries[name]
+        return TensorSpec(name, DTYPES[e.dtype], tuple(e.shape))
+
+    specs = [plain(adapter.embed)]
+    quantized = set()
+    for i, row in enumerate(model.stored_linears):
+        for lin in row:
+            specs += quantized_specs(lin)
+            quantized.add(lin.name)
+        prefix = adapter.prefix(i)
+        for rel in model.stored_names(i):
+            base = (prefix + rel).rsplit(".", 1)[0]
+            if base not in quantized:  # norms (q/k norms too)
+                specs.append(plain(prefix + rel))
+    specs.append(plain(adapter.final_norm))
+    if not model.tied_embeddings:
+        specs.append(plain(adapter.lm_head))
+    return specs + [plain(n) for n in model.beside_language_model()]
+
+
+class LayerJobWriter:
+    """The sharded writer of a calibrated format's job, with the tensors every such format writes the same way:
+    the embedding first, per layer the norms (as the job's layer context stores them: a folded AWQ scale
+    changes a norm) in the source dtype and the quantized linears' biases in float16 (as the kernels take
+    them), and at the end the final norm, the head and anything beside the language model."""
+
+    def __init__(self, model, folder: Path, specs: list[TensorSpec], max_shard_bytes: int):
+        self.model = model
+        self.writer = ShardedSafetensorsWriter(folder, specs, max_shard_bytes)
+        self.dtypes = {sp.name: sp.dtype for sp in specs}
+        self.linears = {lin.name for row in model.stored_linears for lin in row}
+
+    def open(self) -> None:
+        self.writer.open()
+        embed = self.model.adapter.embed
+        self.writer.put(embed, self.model.tensor(embed))
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        self.writer.put(name, tensor)
+
+    def put_layer_rest(self, ctx) -> None:
+        prefix = self.model.adapter.prefix(ctx.layer)
+        for rel in self.model.stored_names(ctx.layer):
+            full = prefix + rel
+            base, _, leaf = full.rpartition(".")
+            if base in self.linears and leaf == "weight":
+                continue   # the format's own tensors
+            self.writer.put(full, ctx.stored(rel).to(self.dtypes[full]))
+
+    def close(self) -> list[Path]:
+        model, adapter = self.model, self.model.adapter
+        self.writer.put(adapter.final_norm, model.final_norm_weight())
+        if not model.tied_embeddings:
+            self.writer.put(adapter.lm_head, model.lm_head_weight())
+        for name in model.beside_language_model():    # a vision tower stays as it is
+            self.writer.put(name, model.tensor(name))
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()
 
 
 def write_side_files(model, folder: Path, quantization_config: dict, info: dict, weight_files: list[Path]) -> None:

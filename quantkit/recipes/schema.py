@@ -47,6 +47,10 @@ class ConvertOptions(_Strict):
     damp_step: Optional[float] = Field(None, ge=0)
     mse: Optional[bool] = None
     gptq_block_size: Optional[int] = Field(None, gt=0)
+    awq_clip: Optional[bool] = None
+    awq_duo: Optional[bool] = None
+    awq_grid: Optional[int] = Field(None, ge=2, le=200)
+    awq_search_samples: Optional[int] = Field(None, ge=0)
     bnb_compute_dtype: Optional[str] = None
     skip_modules: list[str] = []
     split_max_size: Optional[str] = None

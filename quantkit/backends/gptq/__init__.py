@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import torch
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_stem
 from ...calibration.capture import batch_for, default_compute_dtype
-from ...device import resolve_device
+from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
 from . import spec as gptq_spec
@@ -169,15 +168,7 @@ def _time_estimate(model: Checkpoint, tokens: int, rtn: bool, device: torch.devi
     loop = columns * per_column * model.num_layers
     if rtn:
         return loop / 4
-    dtype = default_compute_dtype(device)
-    a = torch.randn(1024, 1024, device=device, dtype=dtype)
-    a @ a
-    t0 = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    flops = 4 * 2 * 1024 ** 3 / (time.perf_counter() - t0)
+    flops = matmul_flops(device, default_compute_dtype(device))
     # about two forward passes per layer, plus X^T X in float32 (counted at a quarter of the bf16 rate)
     forward = 2 * 2 * params * tokens / flops
     hessian = 2 * tokens * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)

@@ -21,8 +21,7 @@ from ...calibration.context import LayerContext
 from ...calibration.jobs import PassJob
 from ...calibration.stats import HessianAccumulator
 from ...model.block import InputGroup
-from ...model.safetensors_writer import ShardedSafetensorsWriter
-from ..hf_folder import write_side_files
+from ..hf_folder import LayerJobWriter, write_side_files
 from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
 from .layout import checkpoint_specs
 from .packing import pack, pack_zeros
@@ -52,8 +51,7 @@ class GPTQJob(PassJob):
         self.label = f"gptq:{variant}"
         self.notes = notes or []
         self.layer_linears = model.stored_linears
-        self.linears = {lin.name: lin for row in self.layer_linears for lin in row}
-        self.writer = ShardedSafetensorsWriter(self.folder, checkpoint_specs(model, settings), max_shard_bytes)
+        self.writer = LayerJobWriter(model, self.folder, checkpoint_specs(model, settings), max_shard_bytes)
         self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
         self.layer_log: list[dict] = []
         self.started = time.time()
@@ -64,8 +62,6 @@ class GPTQJob(PassJob):
 
     def open(self) -> None:
         self.writer.open()
-        adapter = self.model.adapter
-        self.writer.put(adapter.embed, self.model.tensor(adapter.embed))
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
@@ -101,18 +97,7 @@ class GPTQJob(PassJob):
         return {name: result.weight[slice(*rows[lin])] for lin, name in zip(group.linears, names)}
 
     def finish_layer(self, ctx: LayerContext) -> None:
-        """Norms as they are; biases of quantized linears in float16 (as GPTQ kernels take them)."""
-        prefix = self.model.adapter.prefix(ctx.layer)
-        for rel in self.model.stored_names(ctx.layer):
-            full = prefix + rel
-            if full.rsplit(".", 1)[0] in self.linears and full.endswith(".weight"):
-                continue   # written by quantize_group
-            t = ctx.stored(rel)
-            base, _, leaf = full.rpartition(".")
-            if base not in self.linears:
-                self.writer.put(full, t)
-            elif leaf == "bias":
-                self.writer.put(full, t.to(torch.float16))
+        self.writer.put_layer_rest(ctx)   # norms; the quantized linears' biases (written by quantize_group)
 
     # --- without calibration (round to nearest) -------------------------------------------
     def run_uncalibrated(self, progress_task=None) -> None:
@@ -139,11 +124,6 @@ class GPTQJob(PassJob):
     def finish(self) -> Path:
         """Write the remaining tensors and the side files; return the folder."""
         model, adapter = self.model, self.model.adapter
-        self.writer.put(adapter.final_norm, model.final_norm_weight())
-        if not model.tied_embeddings:
-            self.writer.put(adapter.lm_head, model.lm_head_weight())
-        for name in model.beside_language_model():    # a vision tower stays as it is
-            self.writer.put(name, model.tensor(name))
         files = self.writer.close()
         qconfig = quantization_config(self.settings)
         if adapter.layers_module:

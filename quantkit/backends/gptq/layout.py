@@ -12,8 +12,8 @@ import torch
 
 from ...errors import UsageError
 from ...model.checkpoint import StoredLinear
-from ...model.safetensors_reader import DTYPES
 from ...model.safetensors_writer import TensorSpec
+from ..hf_folder import checkpoint_specs as hf_checkpoint_specs
 from .algorithm import GPTQSettings
 
 
@@ -50,25 +50,5 @@ def check_linear(lin: StoredLinear, s: GPTQSettings) -> list[str]:
 
 
 def checkpoint_specs(model, s: GPTQSettings) -> list[TensorSpec]:
-    """Every tensor of the GPTQ checkpoint, in file order (by layer, as transformers lays them out)."""
-    adapter, weights = model.adapter, model.weights
-
-    def plain(name: str) -> TensorSpec:
-        e = weights.entries[name]
-        return TensorSpec(name, DTYPES[e.dtype], tuple(e.shape))
-
-    specs = [plain(adapter.embed)]
-    quantized = set()
-    for i, row in enumerate(model.stored_linears):
-        for lin in row:
-            specs += quantized_specs(lin, s)
-            quantized.add(lin.name)
-        prefix = adapter.prefix(i)
-        for rel in model.stored_names(i):
-            base = (prefix + rel).rsplit(".", 1)[0]
-            if base not in quantized:  # norms (q/k norms too)
-                specs.append(plain(prefix + rel))
-    specs.append(plain(adapter.final_norm))
-    if not model.tied_embeddings:
-        specs.append(plain(adapter.lm_head))
-    return specs + [plain(n) for n in model.beside_language_model()]
+    """Every tensor of the GPTQ checkpoint, in file order."""
+    return hf_checkpoint_specs(model, lambda lin: quantized_specs(lin, s))

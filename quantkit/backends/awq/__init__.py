@@ -1,0 +1,177 @@
+"""AWQ GEMM checkpoints for transformers + GPTQModel and vLLM, quantized by quantkit's own AWQ."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import Backend, Plan, PlanRow
+from ...artifact import model_stem
+from ...calibration.capture import batch_for, default_compute_dtype
+from ...device import matmul_flops, resolve_device
+from ...errors import UsageError
+from ...model.block import MoE
+from ...options import RunOptions
+from . import spec as awq_spec
+from .algorithm import AWQSettings
+from .job import AWQJob
+from .layout import check_model, checkpoint_specs
+from .reader import AWQCheckpoint, describe, read_quantization_config
+
+FLAG_KEYS = {"awq_clip": "search_clip", "awq_duo": "duo_scaling", "awq_grid": "grid",
+             "awq_search_samples": "search_samples"}
+FLAG_HELP = {"awq_clip": "AWQ's clip search", "awq_duo": "AWQ's duo scaling", "awq_grid": "AWQ's α grid",
+             "awq_search_samples": "AWQ's search windows"}
+
+
+@dataclass(frozen=True)
+class AWQRunSettings:
+    run: RunOptions
+    flags: tuple[tuple[str, object], ...] = ()
+
+    def resolve(self, variant: awq_spec.AWQVariant) -> tuple[AWQSettings, bool]:
+        return variant.settings(dict(self.flags))
+
+
+def describe_settings(s: AWQSettings, rtn: bool) -> str:
+    group = "per-row" if s.group_size == -1 else f"g{s.group_size}"
+    if rtn:
+        return f"awq {s.bits}-bit {group} round-to-nearest"
+    steps = [name for name, on in (("scales", s.search_scales), ("clip", s.search_clip)) if on]
+    return " ".join([f"awq {s.bits}-bit {group}", "+".join(steps) or "no search", "" if s.duo_scaling else "x-only"]).strip()
+
+
+def check_families(model) -> None:
+    """Refuse layers whose AWQ mapping quantkit does not have yet."""
+    for i in range(model.num_layers):
+        if any(isinstance(r.op, MoE) for r in model.block(i).residuals):
+            raise UsageError(f"awq: {model.config.model_type} has mixture-of-experts layers, which quantkit's AWQ "
+                             f"does not map yet (router and experts); use gptq or gguf for this model")
+
+
+def consumer_notes(model, s: AWQSettings) -> list[str]:
+    notes = []
+    if s.group_size == -1:
+        notes.append("one group per row: transformers + GPTQModel load it; vLLM's AWQ kernels want groups")
+    return notes
+
+
+def output_folder(model, out_dir: Path, variant: str) -> Path:
+    return Path(out_dir) / f"{model_stem(model.name)}-awq-{variant.lower()}"
+
+
+class AWQBackend(Backend):
+    name = "awq"
+    summary = "AWQ 4-bit GEMM (groups 32/64/128/none, scale + clip search) for transformers + GPTQModel, vLLM"
+    calibrated = True
+    owned_options = FLAG_HELP
+
+    def settings(self, options: dict) -> AWQRunSettings:
+        return AWQRunSettings(RunOptions.from_dict(options),
+                              tuple((field, options.get(key)) for key, field in FLAG_KEYS.items()))
+
+    def variants(self) -> list[str]:
+        return list(awq_spec.EXAMPLES)
+
+    def parse_variant(self, text: str) -> awq_spec.AWQVariant:
+        return awq_spec.parse(text)
+
+    def needs_calibration(self, variant: awq_spec.AWQVariant, settings: AWQRunSettings) -> bool:
+        return not settings.resolve(variant)[1]
+
+    def plan(self, model, variant: awq_spec.AWQVariant, out_dir: Path, settings: AWQRunSettings) -> Plan:
+        s, rtn = settings.resolve(variant)
+        check_families(model)
+        check_model(model, s)
+        kind = describe_settings(s, rtn)
+        specs = {sp.name: sp for sp in checkpoint_specs(model, s)}
+        quantized = {lin.name: lin for row in model.stored_linears for lin in row}
+        rows: list[PlanRow] = []
+        for name, sp in specs.items():
+            base, _, leaf = name.rpartition(".")
+            if base in quantized:
+                if leaf != "qweight":
+                    continue
+                lin = quantized[base]
+                nbytes = sum(specs[f"{base}.{t}"].nbytes for t in ("qweight", "qzeros", "scales") if f"{base}.{t}" in specs)
+                groups = lin.in_features // s.group(lin.in_features)
+                rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, nbytes, f"{groups} groups"))
+            else:
+                rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
+        plan = Plan("awq", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
+        run = settings.run
+        if not rtn:
+            plan.extra["calibration"] = run.calibration_text()
+        plan.extra["peak memory (estimate)"] = _memory_estimate(model, run.calib_samples, run.calib_seqlen, rtn)
+        if run.estimate_time:
+            device = resolve_device(run.device)
+            seconds = _time_estimate(model, run.calib_samples * run.calib_seqlen, run.calib_seqlen, s, rtn, device)
+            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}"
+        plan.extra["loads in"] = ("transformers + GPTQModel (CPU or GPU), vLLM (GPU)" if s.group_size != -1
+                                  else "transformers + GPTQModel")
+        plan.extra["settings"] = json.dumps(s.__dict__)
+        for i, n in enumerate(consumer_notes(model, s)):
+            plan.extra[f"note {i + 1}"] = n
+        return plan
+
+    def make_job(self, model, variant: awq_spec.AWQVariant, plan: Plan, folder: Path, settings: AWQRunSettings,
+                 calibration) -> AWQJob:
+        s, rtn = settings.resolve(variant)
+        return AWQJob(model, s, variant.text, folder, rtn=rtn, device=resolve_device(settings.run.device),
+                      calibration=None if rtn else calibration, notes=consumer_notes(model, s),
+                      max_shard_bytes=settings.run.max_shard_bytes)
+
+    def can_read(self, path: Path) -> bool:
+        p = Path(path)
+        return p.is_dir() and read_quantization_config(p) is not None
+
+    def open_artifact(self, path: Path, base=None, activations: str = "exact") -> AWQCheckpoint:
+        if activations != "exact":
+            raise UsageError("--activations: AWQ runtimes compute in the model dtype; use the default (exact)")
+        return AWQCheckpoint(Path(path))
+
+    def describe_artifact(self, path: Path) -> dict:
+        return describe(Path(path))
+
+    runtimes = ("transformers",)
+
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+        from . import consumer
+        return consumer.window_logits(Path(path), tokens)
+
+
+def _layer_params(model) -> int:
+    return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+
+
+def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> str:
+    cfg = model.config
+    weights = _layer_params(model) * 4 * 3     # the layer in float32, the scaled copy, the dequantized one
+    if rtn:
+        return f"{(weights + 300 * 2**20) / 2**30:.2f} GiB (one layer in float32 + runtime)"
+    stream = samples * seqlen * cfg.hidden_size * 4
+    outputs = 2 * samples * seqlen * cfg.hidden_size * 4   # the sub-block's reference and candidate outputs
+    inter = batch_for(seqlen) * seqlen * cfg.intermediate_size * 4 * 4
+    second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
+    total = stream + outputs + weights + inter + second_moments + 400 * 2**20
+    return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "
+            f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)")
+
+
+def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool, device: torch.device) -> float:
+    """The capture pass (about two forwards per layer) plus the scale search, which runs each sub-block behind
+    a norm once per candidate (grid + 2) on its search windows — about that many more forwards of the layer."""
+    params = _layer_params(model)
+    if rtn:
+        return params * model.num_layers * 5e-9
+    flops = matmul_flops(device, default_compute_dtype(device))
+    searched = tokens if not s.search_samples else min(tokens, s.search_samples * seqlen)
+    search = (s.grid + 2) * 2 * params * searched / flops if s.search_scales else 0.0
+    cfg = model.config
+    moments = 2 * tokens * (3 * cfg.hidden_size ** 2 + cfg.intermediate_size ** 2) / (flops / 4)
+    return (2 * 2 * params * tokens / flops + search + moments) * model.num_layers
+
+
+BACKEND = AWQBackend()

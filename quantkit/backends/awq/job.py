@@ -1,0 +1,191 @@
+"""One AWQ artifact being made: the capture pass's job for it (the algorithm of algorithm.py run through the
+layer context), and its writer.
+
+Files (../shared/docs/formats/awq.md §1, §4): model*.safetensors (+ index when sharded), config.json with
+`quantization_config`, the tokenizer and generation config copied from the source, and quantkit.json (the
+settings, per group the scale that was folded and where, α, the losses and the clipping, the calibration
+provenance, file hashes).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ...calibration.context import LayerContext
+from ...calibration.jobs import PassJob
+from ...calibration.stats import HessianAccumulator
+from ...errors import QuantizationError
+from ...model.block import Attention, InputGroup
+from ..hf_folder import LayerJobWriter, write_side_files
+from .algorithm import AWQSettings, Quantized, clip, linear_loss, quantize, search_clip, search_scale
+from .layout import checkpoint_specs, quantization_config
+from .packing import pack
+
+
+class InputStats:
+    """What AWQ needs of one group's input: mean |x| per channel and H = mean xxᵀ."""
+
+    def __init__(self, features: int, device: torch.device):
+        self.abs_sum = torch.zeros(features, dtype=torch.float64, device=device)
+        self.hessian = HessianAccumulator(features, device)
+
+    def add(self, x: torch.Tensor) -> None:
+        self.abs_sum += x.to(self.abs_sum.device).abs().sum(dim=0, dtype=torch.float64)
+        self.hessian.add(x)
+
+    @property
+    def rows(self) -> int:
+        return self.hessian.rows
+
+    def x_mean(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.rows, 1)).to(torch.float32)
+
+
+class AWQJob(PassJob):
+    """Quantizes and writes one AWQ checkpoint into `folder` (a .partial-* folder the caller renames)."""
+
+    def __init__(self, model, settings: AWQSettings, variant: str, folder: Path, *, rtn: bool = False,
+                 device: torch.device, calibration=None, notes: list[str] | None = None,
+                 max_shard_bytes: int = 4 << 30):
+        self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
+        self.folder, self.device, self.calibration = Path(folder), device, calibration
+        self.label = f"awq:{variant}"
+        self.notes = notes or []
+        self.writer = LayerJobWriter(model, self.folder, checkpoint_specs(model, settings), max_shard_bytes)
+        self.stats: dict[tuple[str, ...], InputStats] = {}
+        self.done: dict[str, Quantized] = {}      # this layer's linears, by name, until finish_layer writes them
+        self.layer_log: list[dict] = []
+        self.started = time.time()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.rtn
+
+    def open(self) -> None:
+        self.writer.open()
+
+    # --- LayerJob ---------------------------------------------------------------------------
+    def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
+        stats = self.stats.get(group.linears)
+        if stats is None:
+            stats = self.stats[group.linears] = InputStats(x.shape[-1], self.device)
+        stats.add(x)
+
+    def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
+        s = self.settings
+        names = [f"{lin}.weight" for lin in group.linears]
+        rows, start = {}, 0
+        for lin, name in zip(group.linears, names):
+            rows[lin] = slice(start, start + ctx.source[name].shape[0])
+            start = rows[lin].stop
+        w = torch.cat([ctx.source[n].to(self.device, torch.float32) for n in names])
+        stats = self.stats.pop(group.linears, None)
+        entry: dict = {"layer": ctx.layer, "linears": list(group.linears)}
+        out: dict[str, torch.Tensor] = {}
+        h = None
+        if stats is not None:
+            x_mean, h = stats.x_mean(), stats.hessian.value()
+            entry["tokens"] = stats.rows
+            if not torch.isfinite(x_mean).all():
+                raise QuantizationError(f"layer {ctx.layer} {group.linears[0]}: the calibration inputs hold inf or "
+                                        f"NaN (the model overflows in {ctx.runtime.compute_dtype}); check its weights")
+            if s.search_scales:
+                scale, note = self._scale(ctx, group, w, rows, x_mean, h, entry)
+                if scale is not None:
+                    w = torch.cat([t for t in ctx.fold(group, scale).values()]).to(self.device)
+                    h = h / (scale[:, None] * scale[None, :]).to(h)
+                    if group.producer_kind == "linear":   # rescale the already quantized producer's rows
+                        self.done[group.producer] = self.done[group.producer].divide_rows(scale)
+                        out[f"{group.producer}.weight"] = self.done[group.producer].dequantize()
+                if note:
+                    entry["note"] = note
+        elif not self.rtn:
+            entry["method"] = "round-to-nearest (no calibration token reached these linears)"
+        if s.search_clip and h is not None:
+            ratios = []
+            for lin in group.linears:
+                if lin in self._softmax_inputs(ctx):
+                    continue          # q and k: their error passes a softmax, not a sum
+                bound = search_clip(w[rows[lin]], h, s)
+                ratios.append(float((bound / _grouped_amax(w[rows[lin]], s)).mean()))
+                w[rows[lin]] = clip(w[rows[lin]], bound, s)
+            if ratios:
+                entry["clip_mean_ratio"] = round(sum(ratios) / len(ratios), 4)
+        for lin, name in zip(group.linears, names):
+            self.done[lin] = quantize(w[rows[lin]], s)
+            out[name] = self.done[lin].dequantize()
+        self.layer_log.append(entry)
+        return out
+
+    def _scale(self, ctx: LayerContext, group: InputGroup, w: torch.Tensor, rows: dict[str, slice],
+               x_mean: torch.Tensor, h: torch.Tensor, entry: dict) -> tuple[torch.Tensor | None, str | None]:
+        """The scale to fold for this group (None: leave it unscaled) and a note when it cannot take one."""
+        s, kind = self.settings, group.producer_kind
+        if kind in ("norm", "norm+1"):
+            windows = ctx.stream.shape[0]
+            step = 1 if not s.search_samples else -(-windows // s.search_samples)
+            some = slice(0, None, step)       # evenly spaced windows
+            reference = ctx.run(group, samples=some)
+
+            def loss(candidate: torch.Tensor) -> float:
+                out = ctx.run(group, {f"{lin}.weight": candidate[rows[lin]] for lin in group.linears}, samples=some)
+                return float((out.float() - reference.float()).pow(2).mean())
+        elif kind == "linear":
+            outputs = ctx.source[f"{group.producer}.weight"].shape[0]
+            if outputs != w.shape[1] or group.producer not in self.done:
+                return None, (f"not scaled: {group.producer} has {outputs} outputs and {group.linears[0]} reads "
+                              f"{w.shape[1]} channels (grouped-query attention)")
+            loss = linear_loss(w, h)
+        else:
+            return None, "not scaled: no single op produces this input"
+        choice = search_scale(w, x_mean, loss, s)
+        entry.update(scaled_into=group.producer if choice.scale is not None else None, alpha=choice.alpha,
+                     loss=choice.loss, unscaled_loss=choice.unscaled_loss)
+        return choice.scale, None
+
+    @staticmethod
+    def _softmax_inputs(ctx: LayerContext) -> set[str]:
+        return {n for r in ctx.block.residuals if isinstance(r.op, Attention) for n in (r.op.q, r.op.k)}
+
+    def finish_layer(self, ctx: LayerContext) -> None:
+        for stored in self.model.stored_linears[ctx.layer]:   # a joined linear (qkv_proj) is its parts' rows
+            q = Quantized.cat([self.done.pop(p) for p in stored.parts])
+            self.writer.put(f"{stored.name}.qweight", pack(q.codes.T.contiguous()))
+            self.writer.put(f"{stored.name}.qzeros", pack(q.zeros.T.contiguous()))
+            self.writer.put(f"{stored.name}.scales", q.scales.T.contiguous().to(torch.float16))
+        self.writer.put_layer_rest(ctx)   # norms (with folded scales), biases
+
+    # --- without calibration (round to nearest) -------------------------------------------
+    def run_uncalibrated(self, progress_task=None) -> None:
+        for i in range(self.model.num_layers):
+            block = self.model.block(i)
+            ctx = LayerContext(i, block, self.model.layer(i))
+            for group in block.groups:
+                self.quantize_group(ctx, group)
+            self.finish_layer(ctx)
+            if progress_task is not None:
+                progress_task.advance()
+
+    # --- writing ----------------------------------------------------------------------------
+    def finish(self) -> Path:
+        files = self.writer.close()
+        write_side_files(self.model, self.folder, quantization_config(self.settings), {
+            "format": "awq", "variant": self.variant,
+            "method": "round-to-nearest" if self.rtn else "awq", "settings": asdict(self.settings),
+            "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            "consumers": self.notes,
+            "seconds": round(time.time() - self.started, 2),
+            "groups": self.layer_log,
+        }, files)
+        return self.folder
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def _grouped_amax(w: torch.Tensor, s: AWQSettings) -> torch.Tensor:
+    n, k = w.shape
+    return w.abs().reshape(n, k // s.group(k), s.group(k)).amax(-1, keepdim=True).clamp(min=1e-12)
