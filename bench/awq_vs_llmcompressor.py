@@ -8,6 +8,8 @@ AWQ reader, llm-compressor's weights dequantized by compressed-tensors' own `fak
 and saved as a float32 checkpoint (its norms carry the smoothing it folded in).  Round to nearest on the
 same grid (`awq:4bit-gN-rtn`) is the floor both must beat.
 
+llm-compressor 0.14 pins memory for GPU copies even on a CPU-only machine, which fails there; the child turns
+that pinning (a speed-up of host-to-device copies, no effect on any value) off when there is no CUDA device.
 llm-compressor pins an older transformers, so it runs in its own virtual environment
 (bench/_work/awq/llmc-venv, made on first use: `pip install torch==<this torch> llmcompressor==VERSION`).
 
@@ -74,16 +76,23 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from llmcompressor import oneshot
-from llmcompressor.modifiers.awq import AWQModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
+from llmcompressor.modifiers.quantization import QuantizationModifier
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from safetensors.torch import save_file
+from llmcompressor.pipelines.cache import IntermediatesCache
+# AWQModifier pins its cached activations for faster host-to-GPU copies, which fails where there is no accelerator
+# (0.14: "Cannot access accelerator device"); pinning changes no value, so on a CPU-only machine it is skipped
+if not torch.cuda.is_available():
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None
 src, tokens_file, out, group = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 tokens = json.loads(open(tokens_file).read())
 data = Dataset.from_dict({'input_ids': tokens, 'attention_mask': [[1] * len(t) for t in tokens]})
 model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
 args = QuantizationArgs(num_bits=4, type='int', symmetric=False, strategy='group', group_size=group)
-recipe = AWQModifier(ignore=['lm_head'], config_groups={'group_0': QuantizationScheme(targets=['Linear'], weights=args)})
+recipe = [AWQModifier(duo_scaling=True),
+          QuantizationModifier(ignore=['lm_head'], config_groups={'group_0': QuantizationScheme(targets=['Linear'], weights=args)})]
 oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=len(tokens[0]), num_calibration_samples=len(tokens))
 state = {}
 with torch.no_grad():

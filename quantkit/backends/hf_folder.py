@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +19,7 @@ import torch
 
 from .. import __version__
 from ..artifact import sha256_file
+from ..calibration.jobs import PassJob
 from ..model.adapters import adapter_for
 from ..model.checkpoint import ModelFolder
 from ..model.checkpoint import StoredLinear
@@ -27,6 +30,42 @@ from ..model.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                 "generation_config.json")
+
+
+def find_quantization_config(folder: Path, method: str, side_file: str) -> dict | None:
+    """The `quantization_config` of config.json when its quant_method is `method`, else the format's own side
+    file (quantize_config.json, quant_config.json) when it names that method; None when neither does."""
+    for name, key in (("config.json", "quantization_config"), (side_file, None)):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        q = data.get(key) if key else data
+        if isinstance(q, dict) and str(q.get("quant_method", q.get("method", ""))).lower() == method:
+            return q
+    return None
+
+
+def plan_rows(model, specs: list[TensorSpec], kind: str, note: Callable[[StoredLinear], str]) -> list:
+    """`--dry-run` rows of a quantized folder: one per stored linear (the bytes of all its tensors, bias
+    included), one per tensor kept as the source stores it; together, the bytes the folder's weights take."""
+    from . import PlanRow
+    by_name = {sp.name: sp for sp in specs}
+    quantized = {lin.name: lin for row in model.stored_linears for lin in row}
+    rows, seen = [], set()
+    for name, sp in by_name.items():
+        base, _, leaf = name.rpartition(".")
+        if base not in quantized:
+            rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
+        elif base not in seen:
+            seen.add(base)
+            lin = quantized[base]
+            nbytes = sum(t.nbytes for n, t in by_name.items() if n.rpartition(".")[0] == base)
+            rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, nbytes, note(lin)))
+    return rows
 
 
 def checkpoint_specs(model, quantized_specs: Callable[[StoredLinear], list[TensorSpec]]) -> list[TensorSpec]:
@@ -92,6 +131,69 @@ class LayerJobWriter:
         for name in model.beside_language_model():    # a vision tower stays as it is
             self.writer.put(name, model.tensor(name))
         return self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+class FolderJob(PassJob):
+    """What the capture-pass job of every calibrated folder format shares (GPTQ, AWQ): settings, the writer, the
+    life cycle (open, round-to-nearest without data, finish, abort) and the quantkit.json it writes.  A format
+    sets `format` and `log_key`, implements the LayerJob methods and `quantization_config`, and may write
+    files of its own in `write_format_files`."""
+    format = ""
+    log_key = "layers"        # quantkit.json's key for the per-layer (or per-group) log
+
+    def __init__(self, model, settings, variant: str, folder: Path, specs: list[TensorSpec], *, rtn: bool = False,
+                 device: torch.device, calibration=None, notes: list[str] | None = None,
+                 max_shard_bytes: int = 4 << 30):
+        self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
+        self.folder, self.device, self.calibration = Path(folder), device, calibration
+        self.label = f"{self.format}:{variant}"
+        self.notes = notes or []
+        self.writer = LayerJobWriter(model, self.folder, specs, max_shard_bytes)
+        self.layer_log: list[dict] = []
+        self.started = time.time()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.rtn
+
+    def open(self) -> None:
+        self.writer.open()
+
+    def run_uncalibrated(self, progress_task=None) -> None:
+        """Round to nearest: every layer through data-less contexts."""
+        from ..calibration.context import LayerContext
+        for i in range(self.model.num_layers):
+            block = self.model.block(i)
+            ctx = LayerContext(i, block, self.model.layer(i))
+            for group in block.groups:
+                self.quantize_group(ctx, group)
+            self.finish_layer(ctx)
+            if progress_task is not None:
+                progress_task.advance()
+
+    def quantization_config(self) -> dict:
+        raise NotImplementedError
+
+    def write_format_files(self, qconfig: dict) -> None:
+        """Files of the format's own beside config.json (GPTQ's quantize_config.json)."""
+
+    def finish(self) -> Path:
+        """Write the remaining tensors and the side files; return the folder."""
+        files = self.writer.close()
+        qconfig = self.quantization_config()
+        self.write_format_files(qconfig)
+        write_side_files(self.model, self.folder, qconfig, {
+            "format": self.format, "variant": self.variant,
+            "method": "round-to-nearest" if self.rtn else self.format, "settings": asdict(self.settings),
+            "calibration": self.calibration.to_json() if self.calibration is not None else None,
+            "consumers": self.notes,
+            "seconds": round(time.time() - self.started, 2),
+            self.log_key: self.layer_log,
+        }, files)
+        return self.folder
 
     def abort(self) -> None:
         self.writer.abort()

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .. import Backend, Plan, PlanRow
+from .. import Backend, Plan
+from ..hf_folder import plan_rows
 from ...artifact import model_stem
 from ...calibration.capture import batch_for, default_compute_dtype
 from ...device import matmul_flops, resolve_device
@@ -86,20 +87,8 @@ class AWQBackend(Backend):
         check_families(model)
         check_model(model, s)
         kind = describe_settings(s, rtn)
-        specs = {sp.name: sp for sp in checkpoint_specs(model, s)}
-        quantized = {lin.name: lin for row in model.stored_linears for lin in row}
-        rows: list[PlanRow] = []
-        for name, sp in specs.items():
-            base, _, leaf = name.rpartition(".")
-            if base in quantized:
-                if leaf != "qweight":
-                    continue
-                lin = quantized[base]
-                nbytes = sum(specs[f"{base}.{t}"].nbytes for t in ("qweight", "qzeros", "scales") if f"{base}.{t}" in specs)
-                groups = lin.in_features // s.group(lin.in_features)
-                rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, nbytes, f"{groups} groups"))
-            else:
-                rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
+        rows = plan_rows(model, checkpoint_specs(model, s), kind,
+                         lambda lin: f"{lin.in_features // s.group(lin.in_features)} groups")
         plan = Plan("awq", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
         run = settings.run
         if not rtn:

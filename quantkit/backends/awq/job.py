@@ -8,18 +8,15 @@ provenance, file hashes).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ...calibration.context import LayerContext
-from ...calibration.jobs import PassJob
 from ...calibration.stats import HessianAccumulator
 from ...errors import QuantizationError
 from ...model.block import Attention, InputGroup
-from ..hf_folder import LayerJobWriter, write_side_files
+from ..hf_folder import FolderJob
 from .algorithm import AWQSettings, Quantized, clip, linear_loss, quantize, search_clip, search_scale
 from .layout import checkpoint_specs, quantization_config
 from .packing import pack
@@ -44,28 +41,15 @@ class InputStats:
         return (self.abs_sum / max(self.rows, 1)).to(torch.float32)
 
 
-class AWQJob(PassJob):
+class AWQJob(FolderJob):
     """Quantizes and writes one AWQ checkpoint into `folder` (a .partial-* folder the caller renames)."""
+    format = "awq"
+    log_key = "groups"
 
-    def __init__(self, model, settings: AWQSettings, variant: str, folder: Path, *, rtn: bool = False,
-                 device: torch.device, calibration=None, notes: list[str] | None = None,
-                 max_shard_bytes: int = 4 << 30):
-        self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
-        self.folder, self.device, self.calibration = Path(folder), device, calibration
-        self.label = f"awq:{variant}"
-        self.notes = notes or []
-        self.writer = LayerJobWriter(model, self.folder, checkpoint_specs(model, settings), max_shard_bytes)
+    def __init__(self, model, settings: AWQSettings, variant: str, folder: Path, **kw):
+        super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
         self.stats: dict[tuple[str, ...], InputStats] = {}
         self.done: dict[str, Quantized] = {}      # this layer's linears, by name, until finish_layer writes them
-        self.layer_log: list[dict] = []
-        self.started = time.time()
-
-    @property
-    def needs_calibration(self) -> bool:
-        return not self.rtn
-
-    def open(self) -> None:
-        self.writer.open()
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
@@ -158,32 +142,8 @@ class AWQJob(PassJob):
             self.writer.put(f"{stored.name}.scales", q.scales.T.contiguous().to(torch.float16))
         self.writer.put_layer_rest(ctx)   # norms (with folded scales), biases
 
-    # --- without calibration (round to nearest) -------------------------------------------
-    def run_uncalibrated(self, progress_task=None) -> None:
-        for i in range(self.model.num_layers):
-            block = self.model.block(i)
-            ctx = LayerContext(i, block, self.model.layer(i))
-            for group in block.groups:
-                self.quantize_group(ctx, group)
-            self.finish_layer(ctx)
-            if progress_task is not None:
-                progress_task.advance()
-
-    # --- writing ----------------------------------------------------------------------------
-    def finish(self) -> Path:
-        files = self.writer.close()
-        write_side_files(self.model, self.folder, quantization_config(self.settings), {
-            "format": "awq", "variant": self.variant,
-            "method": "round-to-nearest" if self.rtn else "awq", "settings": asdict(self.settings),
-            "calibration": self.calibration.to_json() if self.calibration is not None else None,
-            "consumers": self.notes,
-            "seconds": round(time.time() - self.started, 2),
-            "groups": self.layer_log,
-        }, files)
-        return self.folder
-
-    def abort(self) -> None:
-        self.writer.abort()
+    def quantization_config(self) -> dict:
+        return quantization_config(self.settings)
 
 
 def _grouped_amax(w: torch.Tensor, s: AWQSettings) -> torch.Tensor:

@@ -2,30 +2,18 @@
 model for the evaluation harness, and a description for `inspect`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ...errors import SourceError
-from ..hf_folder import QuantizedFolder
+from ..hf_folder import QuantizedFolder, find_quantization_config
 from .packing import unpack
 
 
 def read_quantization_config(folder: Path) -> dict | None:
     """The AWQ settings of a folder (config.json's quantization_config, else quant_config.json)."""
-    for name, key in (("config.json", "quantization_config"), ("quant_config.json", None)):
-        path = Path(folder) / name
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        q = data.get(key) if key else data
-        if isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "awq":
-            return q
-    return None
+    return find_quantization_config(folder, "awq", "quant_config.json")
 
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

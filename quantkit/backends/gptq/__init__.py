@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .. import Backend, Plan, PlanRow
+from .. import Backend, Plan
+from ..hf_folder import plan_rows
 from ...artifact import model_stem
 from ...calibration.capture import batch_for, default_compute_dtype
 from ...device import matmul_flops, resolve_device
@@ -90,21 +91,8 @@ class GPTQBackend(Backend):
         run = settings.run
         notes = consumer_notes(model, s)  # raises for shapes GPTQ cannot store
         kind = describe_settings(s, rtn)
-        rows: list[PlanRow] = []
-        specs = {sp.name: sp for sp in checkpoint_specs(model, s)}
-        quantized = {lin.name: lin for row in model.stored_linears for lin in row}
-        for name, sp in specs.items():
-            base, _, leaf = name.rpartition(".")
-            if base in quantized:
-                if leaf != "qweight":
-                    continue
-                lin = quantized[base]
-                nbytes = sum(specs[f"{base}.{t}"].nbytes for t in ("qweight", "qzeros", "scales", "g_idx")
-                             if f"{base}.{t}" in specs)
-                rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, nbytes,
-                                    f"{group_count(lin.in_features, s)} groups"))
-            else:
-                rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
+        rows = plan_rows(model, checkpoint_specs(model, s), kind,
+                         lambda lin: f"{group_count(lin.in_features, s)} groups")
         plan = Plan("gptq", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
         device = resolve_device(run.device)
         samples, seqlen = run.calib_samples, run.calib_seqlen

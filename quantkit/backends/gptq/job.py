@@ -10,18 +10,15 @@ zeros as they are), which GPTQModel and transformers + GPTQModel read.
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ... import __version__
 from ...calibration.context import LayerContext
-from ...calibration.jobs import PassJob
 from ...calibration.stats import HessianAccumulator
 from ...model.block import InputGroup
-from ..hf_folder import LayerJobWriter, write_side_files
+from ..hf_folder import FolderJob
 from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
 from .layout import checkpoint_specs
 from .packing import pack, pack_zeros
@@ -40,28 +37,14 @@ def quantization_config(s: GPTQSettings) -> dict:
     }
 
 
-class GPTQJob(PassJob):
+class GPTQJob(FolderJob):
     """Quantizes and writes one GPTQ checkpoint into `folder` (a .partial-* folder the caller renames)."""
+    format = "gptq"
 
-    def __init__(self, model, settings: GPTQSettings, variant: str, folder: Path, *, rtn: bool = False,
-                 device: torch.device, calibration=None, notes: list[str] | None = None,
-                 max_shard_bytes: int = 4 << 30):
-        self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
-        self.folder, self.device, self.calibration = Path(folder), device, calibration
-        self.label = f"gptq:{variant}"
-        self.notes = notes or []
+    def __init__(self, model, settings: GPTQSettings, variant: str, folder: Path, **kw):
+        super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
         self.layer_linears = model.stored_linears
-        self.writer = LayerJobWriter(model, self.folder, checkpoint_specs(model, settings), max_shard_bytes)
         self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
-        self.layer_log: list[dict] = []
-        self.started = time.time()
-
-    @property
-    def needs_calibration(self) -> bool:
-        return not self.rtn
-
-    def open(self) -> None:
-        self.writer.open()
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
@@ -99,17 +82,6 @@ class GPTQJob(PassJob):
     def finish_layer(self, ctx: LayerContext) -> None:
         self.writer.put_layer_rest(ctx)   # norms; the quantized linears' biases (written by quantize_group)
 
-    # --- without calibration (round to nearest) -------------------------------------------
-    def run_uncalibrated(self, progress_task=None) -> None:
-        for i in range(self.model.num_layers):
-            block = self.model.block(i)
-            ctx = LayerContext(i, block, self.model.layer(i))
-            for group in block.groups:
-                self.quantize_group(ctx, group)
-            self.finish_layer(ctx)
-            if progress_task is not None:
-                progress_task.advance()
-
     # --- writing ----------------------------------------------------------------------------
     def _write_linear(self, name: str, r: GPTQResult, rows: slice) -> None:
         s = self.settings
@@ -121,25 +93,13 @@ class GPTQJob(PassJob):
         self.writer.put(f"{name}.scales", r.scales[rows].T.contiguous().to(torch.float16))
         self.writer.put(f"{name}.g_idx", r.g_idx.to(torch.int32))
 
-    def finish(self) -> Path:
-        """Write the remaining tensors and the side files; return the folder."""
-        model, adapter = self.model, self.model.adapter
-        files = self.writer.close()
+    def quantization_config(self) -> dict:
         qconfig = quantization_config(self.settings)
-        if adapter.layers_module:
+        if self.model.adapter.layers_module:
             # optimum finds the language model's layers by a name pattern; naming them keeps every consumer off the
             # vision tower's own stack of layers
-            qconfig["block_name_to_quantize"] = adapter.layers_module
-        (self.folder / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")
-        write_side_files(model, self.folder, qconfig, {
-            "format": "gptq", "variant": self.variant,
-            "method": "round-to-nearest" if self.rtn else "gptq", "settings": asdict(self.settings),
-            "calibration": self.calibration.to_json() if self.calibration is not None else None,
-            "consumers": self.notes,
-            "seconds": round(time.time() - self.started, 2),
-            "layers": self.layer_log,
-        }, files)
-        return self.folder
+            qconfig["block_name_to_quantize"] = self.model.adapter.layers_module
+        return qconfig
 
-    def abort(self) -> None:
-        self.writer.abort()
+    def write_format_files(self, qconfig: dict) -> None:
+        (self.folder / "quantize_config.json").write_text(json.dumps(qconfig, indent=2) + "\n")

@@ -2,30 +2,18 @@
 DenseModel for the evaluation harness, and a description for `inspect`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ...errors import SourceError
-from ..hf_folder import QuantizedFolder
+from ..hf_folder import QuantizedFolder, find_quantization_config
 from .packing import unpack, unpack_zeros
 
 
 def read_quantization_config(folder: Path) -> dict | None:
     """The GPTQ settings of a folder (config.json's quantization_config, else quantize_config.json)."""
-    for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
-        path = Path(folder) / name
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        q = data.get(key) if key else data
-        if isinstance(q, dict) and str(q.get("quant_method", q.get("method", ""))).lower() == "gptq":
-            return q
-    return None
+    return find_quantization_config(folder, "gptq", "quantize_config.json")
 
 
 def dequantize(qweight, qzeros, scales, g_idx, bits: int, v2: bool) -> torch.Tensor:
