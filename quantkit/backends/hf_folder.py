@@ -55,16 +55,20 @@ def plan_rows(model, specs: list[TensorSpec], kind: str, note: Callable[[StoredL
     from . import PlanRow
     by_name = {sp.name: sp for sp in specs}
     quantized = {lin.name: lin for row in model.stored_linears for lin in row}
+    linear_bytes: dict[str, int] = {}
+    for name, sp in by_name.items():
+        base = name.rpartition(".")[0]
+        if base in quantized:
+            linear_bytes[base] = linear_bytes.get(base, 0) + sp.nbytes
     rows, seen = [], set()
     for name, sp in by_name.items():
-        base, _, leaf = name.rpartition(".")
+        base = name.rpartition(".")[0]
         if base not in quantized:
             rows.append(PlanRow(name, sp.shape, str(sp.dtype).replace("torch.", ""), sp.nbytes, "kept"))
         elif base not in seen:
             seen.add(base)
             lin = quantized[base]
-            nbytes = sum(t.nbytes for n, t in by_name.items() if n.rpartition(".")[0] == base)
-            rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, nbytes, note(lin)))
+            rows.append(PlanRow(base, (lin.out_features, lin.in_features), kind, linear_bytes[base], note(lin)))
     return rows
 
 
@@ -230,8 +234,9 @@ class QuantizedFolder(ModelFolder):
         self.num_layers = self.config.num_layers
 
     def is_quantized(self, name: str) -> bool:
-        """Whether the linear `name` (full name, without ".weight") is stored quantized."""
-        raise NotImplementedError
+        """Whether the linear `name` (full name, without ".weight") is stored quantized: packed codes in a
+        `qweight`, as GPTQ and AWQ store them (a format that stores them otherwise overrides this)."""
+        return f"{name}.qweight" in self.weights
 
     def linear_weight(self, name: str) -> torch.Tensor:
         """A quantized linear's float weight (N, K)."""

@@ -79,7 +79,7 @@ class AWQJob(FolderJob):
             if s.search_scales:
                 scale, note = self._scale(ctx, group, w, rows, x_mean, h, entry)
                 if scale is not None:
-                    w = torch.cat([t for t in ctx.fold(group, scale).values()]).to(self.device)
+                    w = torch.cat(list(ctx.fold(group, scale).values())).to(self.device)
                     h = h / (scale[:, None] * scale[None, :]).to(h)
                     if group.producer_kind == "linear":   # rescale the already quantized producer's rows
                         self.done[group.producer] = self.done[group.producer].divide_rows(scale)

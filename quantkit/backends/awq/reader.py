@@ -37,9 +37,6 @@ class AWQCheckpoint(QuantizedFolder):
             raise SourceError(f"{folder}: AWQ {version} layout; quantkit reads the GEMM layout")
         super().__init__(folder, q)
 
-    def is_quantized(self, name: str) -> bool:
-        return f"{name}.qweight" in self.weights
-
     def linear_weight(self, name: str) -> torch.Tensor:
         get = self.weights.get
         if not self.is_quantized(name):

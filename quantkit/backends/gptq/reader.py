@@ -39,9 +39,6 @@ class GPTQCheckpoint(QuantizedFolder):
         fmt = str(q.get("format") or q.get("checkpoint_format") or "gptq").lower()
         self.v2 = fmt == "gptq_v2"
 
-    def is_quantized(self, name: str) -> bool:
-        return f"{name}.qweight" in self.weights
-
     def linear_weight(self, name: str) -> torch.Tensor:
         """A linear's float weight: stored as is (a layer left unquantized), or dequantized."""
         get = self.weights.get
