@@ -202,6 +202,21 @@ def test_nan_weights_and_unwritable_output_fail_cleanly(tmp_path):
     assert r.returncode == 7 and "output folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.parametrize("variant,bad", [("nf4-dq", float("nan")), ("int8", float("nan")), ("fp4", float("-inf"))])
+def test_a_non_finite_weight_is_caught_by_each_encoding(tmp_path, variant, bad):
+    # a converted weight is checked through its encoding's statistics, not a pass of its own: each encoding
+    # (double-quantized absmax, int8 row scales, plain absmax) must still see it
+    src = make_checkpoint(tmp_path / "bad", hidden=64, intermediate=128)
+    from safetensors.torch import load_file, save_file
+    t = load_file(src / "model.safetensors")
+    t["model.layers.0.self_attn.k_proj.weight"].view(-1)[7] = bad
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "o"
+    r = run_cli("convert", str(src), "-f", f"bnb:{variant}", "-o", str(out))
+    assert r.returncode == 9 and "k_proj.weight: contains NaN or infinite values" in r.stderr, r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_mixtures_of_experts_are_refused_in_one_line(tmp_path):
     src = make_checkpoint(tmp_path / "moe", "qwen2_moe", hidden=64, intermediate=128, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)

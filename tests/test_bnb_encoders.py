@@ -85,3 +85,23 @@ def test_bad_settings_are_refused():
         encoders.quantize_4bit(torch.ones(4, 64), "nf4", 48)
     with pytest.raises(ValueError, match="nf4 or fp4"):
         encoders.quantize_4bit(torch.ones(4, 64), "int4", 64)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_lookup_nearest_equals_a_binary_search_on_every_awkward_value(quant_type):
+    # the encoder finds the nearest level with a table on each float32's top 16 bits; a binary search over the
+    # midpoints (torch.bucketize, a tie to the lower level) is the slow reference: at each midpoint and the
+    # floats either side of it, at both ends of every 16-bit prefix interval in [-1, 1], and on random values
+    table = encoders.code_table(quant_type)
+    order = torch.argsort(table)
+    levels = table[order]
+    mids = (levels[:-1] + levels[1:]) / 2
+    prefixes = torch.arange(1 << 16, dtype=torch.int64) << 16
+    ends = torch.cat([prefixes, prefixes | 0xFFFF])
+    ends = torch.where(ends >= 1 << 31, ends - (1 << 32), ends).to(torch.int32).view(torch.float32)
+    ends = ends[torch.isfinite(ends) & (ends.abs() <= 1)]
+    x = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0)), ends,
+                   torch.rand(100_000, generator=torch.Generator().manual_seed(1)) * 2 - 1,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    expected = order[torch.bucketize(x, mids)].to(torch.uint8)
+    assert torch.equal(encoders._nearest(x, table), expected)

@@ -174,7 +174,7 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 def copy_tensor(writers: list[ShardedSafetensorsWriter], name: str, source: Path, start: int, nbytes: int,
-                check=None, chunk: int = 64 << 20) -> None:
+                check=None, chunk: int = 16 << 20) -> None:
     """Write a tensor kept as it is straight from its source file into every writer, `chunk` bytes at a time, so a
     2 GB embedding is read once and never sits in memory whole.  `check(piece)` sees each piece (uint8) first."""
     buf = torch.empty(min(chunk, max(nbytes, 1)), dtype=torch.uint8)

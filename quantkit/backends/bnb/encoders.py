@@ -10,7 +10,6 @@ weight from float16, as bitsandbytes' Int8Params does.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
@@ -49,41 +48,51 @@ def dynamic_map() -> torch.Tensor:
     return torch.tensor(values + [0.0, 1.0], dtype=torch.float32).sort().values
 
 
-def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Index into `table` of the level nearest each value (a tie goes to the lower level)."""
+@cache
+def _nearest_tables(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lookup tables for the nearest level, indexed by a float32's top 16 bits (sign, exponent, 7 mantissa bits).
+
+    The float32 values that share those bits form a closed interval at most 1/128 of its magnitude wide, far
+    narrower than the gap between two midpoints of the 16 levels, so it holds at most one midpoint: the nearest
+    level of every value in it is the one below that midpoint or the one above, told apart by one comparison.
+    Per prefix: the sorted position of the level nearest the interval's low end, the midpoint inside (+inf if
+    none), and the levels' codes in sorted order."""
+    table = torch.tensor(levels, dtype=torch.float32)
     order = torch.argsort(table)
-    levels = table[order]
-    bounds = ((levels[:-1] + levels[1:]) / 2).to(scaled.device)
-    position = _bucketize(scaled, bounds)
-    if torch.equal(order, torch.arange(order.numel())):   # NF4's table is sorted: the positions are the codes
-        return position
-    return order.to(scaled.device)[position.long()]
+    ascending = table[order]
+    mids = (ascending[:-1] + ascending[1:]) / 2
+    first = torch.arange(1 << 16, dtype=torch.int64) << 16
+    ends = [torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+            for b in (first, first | 0xFFFF)]
+    # a negative prefix counts down: its interval runs from the last pattern up to the first
+    low = torch.nan_to_num(torch.minimum(*ends), nan=2.0, posinf=2.0, neginf=2.0)   # inf/NaN prefixes: never met
+    high = torch.nan_to_num(torch.maximum(*ends), nan=2.0, posinf=2.0, neginf=2.0)
+    base = (mids < low[:, None]).sum(dim=1)
+    inside = (mids >= low[:, None]) & (mids < high[:, None])
+    if int(inside.sum(dim=1).max()) > 1:
+        raise ValueError("code levels too close together for the 16-bit lookup")
+    threshold = torch.where(inside, mids, torch.tensor(float("inf"))).amin(dim=1)
+    return base.to(torch.uint8), threshold, order.to(torch.uint8)
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _bucketize(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """torch.bucketize (int32), split across the CPU's threads: on the CPU it runs on one core."""
-    threads = torch.get_num_threads()
-    if x.device.type != "cpu" or threads < 2 or x.numel() < 1 << 20:
-        return torch.bucketize(x, bounds, out_int32=True)
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(threads)
-    out = torch.empty(x.shape, dtype=torch.int32)
-    flat_x, flat_out = x.reshape(-1), out.reshape(-1)
-    step = -(-flat_x.numel() // threads)
-    parts = [(flat_x[s:s + step], flat_out[s:s + step]) for s in range(0, flat_x.numel(), step)]
-    list(_POOL.map(lambda p: torch.bucketize(p[0], bounds, out_int32=True, out=p[1]), parts))
-    return out
+def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Code (uint8) of the level in `table` nearest each float32 value; a value exactly on a midpoint between two
+    levels takes the lower one (as bitsandbytes' comparisons do).  Two table lookups and a comparison per value,
+    all of them torch ops that run on every core (a binary search, torch.bucketize, runs on one)."""
+    base, threshold, order = (t.to(scaled.device) for t in _nearest_tables(tuple(table.tolist())))
+    prefix = scaled.reshape(-1).view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+    position = base.index_select(0, prefix).add_(scaled.reshape(-1) > threshold.index_select(0, prefix))
+    if torch.equal(order, torch.arange(order.numel(), dtype=torch.uint8, device=order.device)):
+        return position.reshape(scaled.shape)   # NF4's levels are in code order: the positions are the codes
+    return order.index_select(0, position.int()).reshape(scaled.shape)
 
 
 CHUNK = 1 << 20   # weights encoded per step: the step's float32 temporaries stay a few MB, whatever the tensor
 
 
 def _blockwise(flat: torch.Tensor, blocksize: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, one per value) and per-block absmax (float32) of a flat tensor, a chunk of whole blocks at a time."""
+    """Codes (uint8, one per value) and per-block absmax (float32) of a flat tensor, a chunk of whole blocks at a
+    time.  A NaN or inf in a block shows in its absmax."""
     n = flat.numel()
     full = n - n % blocksize
     table = table.to(flat.device)
@@ -92,9 +101,9 @@ def _blockwise(flat: torch.Tensor, blocksize: int, table: torch.Tensor) -> tuple
     step = max(blocksize, CHUNK - CHUNK % blocksize)
     for s in range(0, full, step):
         body = flat[s:min(s + step, full)].float().reshape(-1, blocksize)
-        am = body.abs().amax(dim=1)
-        scaled = torch.clamp(body * (1.0 / am.clamp(min=_TINY)[:, None]), -1, 1).reshape(-1)
-        codes[s:s + scaled.numel()] = _nearest(scaled, table)
+        am = body.abs().amax(dim=1)   # (linalg.vector_norm(inf) gives the same, an order of magnitude slower)
+        body.mul_((1.0 / am.clamp(min=_TINY))[:, None]).clamp_(-1, 1)
+        codes[s:s + body.numel()] = _nearest(body.reshape(-1), table)
         absmax[s // blocksize:s // blocksize + am.numel()] = am
     if full < n:
         tail = flat[full:].float()
@@ -125,7 +134,9 @@ def _blockwise_by_table(flat: torch.Tensor, blocksize: int, table: torch.Tensor)
     absmax = padded.abs().amax(dim=1)
     inv = torch.where(absmax > 0, 1.0 / absmax, 0.0)   # a zero block's codes are set below
     scaled = torch.clamp(padded * inv[:, None], -1.0, 1.0)
-    step = ((scaled + 1.0) * 0.5 * (_LUT_BINS - 1) + 0.5).to(torch.int64)   # truncation, as the C cast
+    # truncation, as the C cast; a NaN (from a non-finite weight) takes step 0 and leaves its block's absmax NaN,
+    # for the caller to refuse
+    step = ((scaled + 1.0) * 0.5 * (_LUT_BINS - 1) + 0.5).nan_to_num_(0.0).to(torch.int64)
     codes = _lookup_table(tuple(table.tolist())).to(flat.device)[step]
     codes[absmax == 0] = 0
     return codes.reshape(-1)[:n], absmax
@@ -191,8 +202,13 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """LLM.int8's weight: per row, SCB = absmax (float32) and CB = round(127 · w / SCB) as int8, from the weight in
     float16 (what bitsandbytes quantizes)."""
     half = w.to(torch.float16)
-    scb = half.abs().amax(dim=1).float()
-    cb = torch.round(half * (127.0 / scb[:, None])).to(torch.int8)
+    scb = torch.empty(half.shape[0], dtype=torch.float32, device=half.device)
+    cb = torch.empty(half.shape, dtype=torch.int8, device=half.device)
+    rows = max(1, CHUNK // max(1, half.shape[1]))
+    for r in range(0, half.shape[0], rows):   # a chunk of rows at a time: the float32 temporaries stay small
+        h = half[r:r + rows]
+        scb[r:r + rows] = row_max = h.abs().amax(dim=1).float()
+        cb[r:r + rows] = h.float().mul_(127.0 / row_max[:, None]).round_()   # float16 × float32 is float32
     return cb, scb
 
 

@@ -36,11 +36,13 @@ class BnbArtifact:
         w = weight.to(self.device)
         if not v.four_bit:
             cb, scb = quantize_int8(w)
+            refuse_non_finite(f"{name}.weight", scb)
             put(f"{name}.weight", cb)
             put(f"{name}.SCB", scb)
             put(f"{name}.weight_format", torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8))
             return
         p = quantize_4bit(w, v.quant_type, v.blocksize, v.double_quant)
+        refuse_non_finite(f"{name}.weight", p.nested_absmax if v.double_quant else p.absmax)
         put(f"{name}.weight", p.weight)
         put(f"{name}.weight.absmax", p.absmax)
         put(f"{name}.weight.quant_map", p.quant_map)
@@ -74,9 +76,15 @@ class BnbArtifact:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    # one reduction catches NaN/inf (a finite sum overflowing only costs the full check); summed in float32
-    # without making a float32 copy of the tensor
-    if t.is_floating_point() and not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all():
+    # the minimum and maximum are NaN or infinite exactly when an element is: one reduction, no copy
+    if t.is_floating_point() and t.numel():
+        refuse_non_finite(name, torch.stack(torch.aminmax(t)))
+
+
+def refuse_non_finite(name: str, stats: torch.Tensor) -> None:
+    """A converted weight is checked through its encoding's statistics (a NaN or inf in a block or row shows in
+    its absmax, and under double quantization in the nested absmax): no extra pass over the weight."""
+    if not torch.isfinite(stats).all():
         raise QuantizationError(f"{name}: contains NaN or infinite values; cannot quantize")
 
 
@@ -86,12 +94,13 @@ def write_all(model, items: list[tuple[BnbVariant, Path, torch.dtype]], *, skip:
     adapter = model.adapter
     reading = 0.0
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str, encoded: bool) -> torch.Tensor:
         nonlocal reading
         t0 = time.perf_counter()
         t = model.tensor(name)
         reading += time.perf_counter() - t0
-        check_finite(name, t)
+        if not encoded:   # an encoded weight is checked by its encoding (refuse_non_finite)
+            check_finite(name, t)
         return t
 
     with ExitStack() as stack:
@@ -111,7 +120,8 @@ def write_all(model, items: list[tuple[BnbVariant, Path, torch.dtype]], *, skip:
             for i in range(model.num_layers):
                 for rel in model.stored_names(i):   # a tensor at a time: memory holds one weight, not a layer
                     name = adapter.prefix(i) + rel
-                    t = read(name)
+                    base, _, leaf = name.rpartition(".")
+                    t = read(name, encoded=bool(artifacts) and leaf == "weight" and base in artifacts[0].converted[i])
                     for a in artifacts:
                         a.put_stored(i, name, t)
                     del t
