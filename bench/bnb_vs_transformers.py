@@ -151,6 +151,9 @@ def main() -> None:
               "machine": f"{platform.machine()}, {THREADS} cores, {platform.platform()}", "versions": versions,
               "repeats": args.repeats, "rows": [], "quality": {}}
     variants = args.variants.split(",")
+    # the floor under every quantkit figure: a process that has imported torch and quantkit and done nothing
+    idle = sorted(run(child("import torch\nfrom quantkit import api"))[1] for _ in range(3))[1]
+    result["idle_rss_gib"] = round(idle / 2**30, 3)
     if "demo" in args.models:
         result["rows"] += bench_model("demo (SmolLM2-135M, bf16)", "demo", demo, variants, args.repeats)
     if "synthetic" in args.models:
@@ -194,6 +197,10 @@ def render(rep: dict) -> str:
         lines += ["", "Demo NF4 (block 64, no double quant, bf16 compute), wikitext-2 test 40 × 512 perplexity:", "",
                   "| folder, runtime | perplexity |", "| --- | ---: |"]
         lines += [f"| {k} | {p} |" for k, p in rep["quality"].items()]
+    if "idle_rss_gib" in rep:
+        lines += ["", f"A process that has imported torch and quantkit and done nothing peaks at {rep['idle_rss_gib']} GiB "
+                  "(median of 3): that floor alone is over a quarter of a 1 GiB checkpoint; above it quantkit holds "
+                  "about one weight and its codes at a time."]
     lines += ["", "identical: the same tensor names, dtypes, shapes and bytes, and the same quantization_config.",
               "Regenerate: `python bench/bnb_vs_transformers.py`.", ""]
     return "\n".join(lines)

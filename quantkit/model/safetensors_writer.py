@@ -176,20 +176,28 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 def copy_tensor(writers: list[ShardedSafetensorsWriter], name: str, source: Path, start: int, nbytes: int,
                 check=None, chunk: int = 16 << 20) -> None:
     """Write a tensor kept as it is straight from its source file into every writer, `chunk` bytes at a time, so a
-    2 GB embedding is read once and never sits in memory whole.  `check(piece)` sees each piece (uint8) first."""
-    buf = torch.empty(min(chunk, max(nbytes, 1)), dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    2 GB embedding is read once and never sits in memory whole; the next piece is read while one is written
+    (two buffers).  `check(piece)` sees each piece (uint8) first."""
+    from .read_ahead import read_ahead
+    size = min(chunk, max(nbytes, 1))
+    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2 if nbytes > chunk else 1)]
     with open(source, "rb", buffering=0) as f:
+        def piece(k: int) -> tuple[int, torch.Tensor]:
+            at = k * chunk
+            buf = buffers[k % len(buffers)]
+            want, got, view = min(chunk, nbytes - at), 0, memoryview(buf.numpy())
+            while got < want:   # pieces are read in order, one at a time: the file position is the piece's
+                n = f.readinto(view[got:want])
+                if not n:
+                    raise OSError(5, f"{source} ended while copying {name}")
+                got += n
+            return at, buf[:want]
+
         f.seek(start)
-        done = 0
-        while done < nbytes:
-            n = f.readinto(view[:min(len(view), nbytes - done)])
-            if not n:
-                raise OSError(5, f"{source} ended while copying {name}")
+        for at, data in read_ahead(lambda k=k: piece(k) for k in range(-(-nbytes // chunk))):
             if check is not None:
-                check(buf[:n])
+                check(data)
             for w in writers:
-                w.put_bytes(name, view[:n], done)
-            done += n
+                w.put_bytes(name, memoryview(data.numpy()), at)
     for w in writers:
         w.done(name)

@@ -3,6 +3,7 @@ asked for, each into its own atomic folder, so memory stays at one weight whatev
 from __future__ import annotations
 
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from ...artifact import atomic_folder
 from ...errors import QuantizationError
+from ...model.read_ahead import read_ahead
 from ...model.safetensors_reader import DTYPES
 from ...model.safetensors_writer import ShardedSafetensorsWriter, copy_tensor
 from ...progress import Progress, null_progress
@@ -117,15 +119,21 @@ def write_all(model, items: list[tuple[BnbVariant, Path, torch.dtype]], *, skip:
                 copy_tensor([a.writer for a in artifacts], name, e.file, e.start, e.nbytes,
                             check=lambda piece, n=name, dtype=DTYPES[e.dtype]: check_finite(n, piece.view(dtype)))
             task = progress.task(f"bnb layers ({', '.join(v.text for v, _, _ in items)})", total=model.num_layers)
+            order = []   # a tensor at a time (memory holds one weight, not a layer), the next read meanwhile
             for i in range(model.num_layers):
-                for rel in model.stored_names(i):   # a tensor at a time: memory holds one weight, not a layer
+                for rel in model.stored_names(i):
                     name = adapter.prefix(i) + rel
                     base, _, leaf = name.rpartition(".")
-                    t = read(name, encoded=bool(artifacts) and leaf == "weight" and base in artifacts[0].converted[i])
-                    for a in artifacts:
-                        a.put_stored(i, name, t)
-                    del t
-                task.advance()
+                    order.append((i, name, leaf == "weight" and base in artifacts[0].converted[i]))
+            left = Counter(i for i, _, _ in order)
+            reads = read_ahead(lambda name=name, encoded=encoded: read(name, encoded) for _, name, encoded in order)
+            for (i, name, _), t in zip(order, reads):
+                for a in artifacts:
+                    a.put_stored(i, name, t)
+                del t
+                left[i] -= 1
+                if not left[i]:
+                    task.advance()
             for a in artifacts:
                 a.finish(reading)
         except BaseException:
