@@ -165,6 +165,9 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             awq_duo: Optional[bool] = typer.Option(None, "--awq-duo/--no-awq-duo", help="AWQ: score scales x̄^α / w̄^(1−α) (default on) or x̄^α alone."),
             awq_grid: Optional[int] = typer.Option(None, "--awq-grid", help="AWQ: α candidates k/N, k < N (default 20)."),
             awq_search_samples: Optional[int] = typer.Option(None, "--awq-search-samples", help="AWQ: calibration windows the scale search re-runs sub-blocks on (default 16; 0 = all)."),
+            measurement: Optional[str] = typer.Option(None, "--measurement", help="EXL2: reuse this measurement.json (exllamav2's or quantkit's); skips the measurement pass."),
+            save_measurement: Optional[str] = typer.Option(None, "--save-measurement", help="EXL2: also keep the measurement.json here (written after every layer)."),
+            exl2_measure_samples: Optional[int] = typer.Option(None, "--exl2-measure-samples", help="EXL2: calibration windows the measurement re-runs sub-blocks on (default 16; 0 = all)."),
             bnb_compute_dtype: Optional[str] = typer.Option(None, "--bnb-compute-dtype", help="bnb 4-bit: bfloat16, float16 or float32 (default: the source's dtype)."),
             skip_modules: List[str] = typer.Option([], "--skip-modules", help="bnb: module name or pattern left unconverted, repeatable (replaces transformers' defaults; lm_head is always kept)."),
             split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help="GGUF: write llama.cpp's split layout (NAME-00001-of-0000N.gguf), parts of at most this much tensor data (e.g. 48G; decimal units, as llama-gguf-split)."),
@@ -184,6 +187,8 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
                "group_aware": group_aware,
                "damp": damp, "damp_step": damp_step, "mse": mse, "gptq_block_size": gptq_block_size,
                "awq_clip": awq_clip, "awq_duo": awq_duo, "awq_grid": awq_grid, "awq_search_samples": awq_search_samples,
+               "measurement": measurement, "save_measurement": save_measurement,
+               "exl2_measure_samples": exl2_measure_samples,
                "bnb_compute_dtype": bnb_compute_dtype, "skip_modules": skip_modules, "split_max_size": split_max_size,
                "max_shard_bytes": int(max_shard_size * 2**30)}
     if dry_run:

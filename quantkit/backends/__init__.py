@@ -125,7 +125,8 @@ class Backend:
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.
 BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND",
-           "awq": "quantkit.backends.awq:BACKEND", "bnb": "quantkit.backends.bnb:BACKEND"}
+           "awq": "quantkit.backends.awq:BACKEND", "bnb": "quantkit.backends.bnb:BACKEND",
+           "exl2": "quantkit.backends.exl2:BACKEND"}
 
 
 def _load_builtin(ref: str) -> Backend:

@@ -113,7 +113,7 @@ class LayerJobWriter:
     def open(self) -> None:
         self.writer.open()
         embed = self.model.adapter.embed
-        self.writer.put(embed, self.model.tensor(embed))
+        self.writer.put(embed, self.model.tensor(embed).to(self.dtypes[embed]))
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         self.writer.put(name, tensor)
@@ -148,14 +148,16 @@ class FolderJob(PassJob):
     format = ""
     log_key = "layers"        # quantkit.json's key for the per-layer (or per-group) log
 
-    def __init__(self, model, settings, variant: str, folder: Path, specs: list[TensorSpec], *, rtn: bool = False,
-                 device: torch.device, calibration=None, notes: list[str] | None = None,
+    def __init__(self, model, settings, variant: str, folder: Path, specs: list[TensorSpec] | None, *,
+                 rtn: bool = False, device: torch.device, calibration=None, notes: list[str] | None = None,
                  max_shard_bytes: int = 4 << 30):
         self.model, self.settings, self.variant, self.rtn = model, settings, variant, rtn
         self.folder, self.device, self.calibration = Path(folder), device, calibration
         self.label = f"{self.format}:{variant}"
         self.notes = notes or []
-        self.writer = LayerJobWriter(model, self.folder, specs, max_shard_bytes)
+        self.max_shard_bytes = max_shard_bytes
+        # specs None: the job plans its files later (EXL2 knows its layouts after measuring) and sets the writer
+        self.writer = LayerJobWriter(model, self.folder, specs, max_shard_bytes) if specs is not None else None
         self.layer_log: list[dict] = []
         self.started = time.time()
 
@@ -184,9 +186,15 @@ class FolderJob(PassJob):
     def write_format_files(self, qconfig: dict) -> None:
         """Files of the format's own beside config.json (GPTQ's quantize_config.json)."""
 
+    def summary(self) -> dict:
+        """The format's own top-level entries of quantkit.json."""
+        return {}
+
     def finish(self) -> Path:
         """Write the remaining tensors and the side files; return the folder."""
-        files = self.writer.close()
+        return self.write_side_files(self.writer.close())
+
+    def write_side_files(self, files: list[Path]) -> Path:
         qconfig = self.quantization_config()
         self.write_format_files(qconfig)
         write_side_files(self.model, self.folder, qconfig, {
@@ -195,6 +203,7 @@ class FolderJob(PassJob):
             "calibration": self.calibration.to_json() if self.calibration is not None else None,
             "consumers": self.notes,
             "seconds": round(time.time() - self.started, 2),
+            **self.summary(),
             self.log_key: self.layer_log,
         }, files)
         return self.folder

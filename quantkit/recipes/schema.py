@@ -51,6 +51,9 @@ class ConvertOptions(_Strict):
     awq_duo: Optional[bool] = None
     awq_grid: Optional[int] = Field(None, ge=2, le=200)
     awq_search_samples: Optional[int] = Field(None, ge=0)
+    measurement: Optional[str] = None
+    save_measurement: Optional[str] = None
+    exl2_measure_samples: Optional[int] = Field(None, ge=0)
     bnb_compute_dtype: Optional[str] = None
     skip_modules: list[str] = []
     split_max_size: Optional[str] = None

@@ -1,0 +1,163 @@
+"""EXL2 folders for exllamav2 / TabbyAPI: measured, allocated to a target bits per weight, quantized by
+quantkit's own EXL2 quantizer on the shared capture pass (CPU or GPU)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import Backend, Plan, PlanRow
+from ...artifact import model_stem
+from ...calibration.capture import default_compute_dtype
+from ...device import matmul_flops, resolve_device
+from ...errors import UsageError
+from ...options import RunOptions
+from . import spec as exl2_spec
+from .job import EXL2Job
+from .layout import check_model, head_name, slots
+from .layouts import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS, distinct
+from .reader import EXL2Checkpoint, read_quantization_config
+
+FLAG_HELP = {"measurement": "an EXL2 measurement.json to reuse (skips the measurement pass)",
+             "save_measurement": "where to keep the EXL2 measurement.json as well",
+             "exl2_measure_samples": "EXL2's measurement windows (0 = all)"}
+
+
+@dataclass(frozen=True)
+class EXL2RunSettings:
+    run: RunOptions
+    measurement: str | None = None
+    save_measurement: str | None = None
+    measure_samples: int | None = None
+
+    def load_measurement(self) -> dict | None:
+        if not self.measurement:
+            return None
+        path = Path(self.measurement)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise UsageError(f"--measurement {path}: cannot read it ({e.strerror or e})") from None
+        except ValueError:
+            raise UsageError(f"--measurement {path}: not JSON (expected exllamav2's measurement.json)") from None
+        if not isinstance(data, dict) or not isinstance(data.get("measurement"), dict):
+            raise UsageError(f"--measurement {path}: no \"measurement\" object (expected exllamav2's measurement.json)")
+        return data
+
+
+def output_folder(model, out_dir: Path, variant: str) -> Path:
+    return Path(out_dir) / f"{model_stem(model.name)}-exl2-{variant.lower()}"
+
+
+class EXL2Backend(Backend):
+    name = "exl2"
+    summary = "EXL2 mixed bitrate to a target bpw (measured, allocated, GPTQ-quantized) for exllamav2 / TabbyAPI"
+    calibrated = True
+    owned_options = FLAG_HELP
+
+    def settings(self, options: dict) -> EXL2RunSettings:
+        return EXL2RunSettings(RunOptions.from_dict(options), options.get("measurement"),
+                               options.get("save_measurement"), options.get("exl2_measure_samples"))
+
+    def variants(self) -> list[str]:
+        return list(exl2_spec.EXAMPLES)
+
+    def parse_variant(self, text: str) -> exl2_spec.EXL2Variant:
+        return exl2_spec.parse(text)
+
+    def needs_calibration(self, variant, settings: EXL2RunSettings) -> bool:
+        return True
+
+    def plan(self, model, variant: exl2_spec.EXL2Variant, out_dir: Path, settings: EXL2RunSettings) -> Plan:
+        check_model(model)
+        s = variant.settings(settings.measure_samples)
+        measurement = settings.load_measurement()
+        rows = []
+        weights = 0
+        for layer, key, names in slots(model):
+            prefix = model.adapter.prefix(layer)
+            for n in names:
+                e = model.weights.entries[f"{prefix}{n}.weight"]
+                weights += e.numel
+                rows.append(PlanRow(f"{prefix}{n}", tuple(e.shape), f"exl2 ~{s.target_bpw} bpw",
+                                    int(e.numel * s.target_bpw / 8), "bits chosen by the measurement"))
+        hidden, vocab = model.config.hidden_size, model.config.vocab_size
+        head = HEAD_OPTIONS[s.head_bits]
+        rows.append(PlanRow(head_name(model.adapter), (vocab, hidden), f"exl2 head {s.head_bits}-bit",
+                            head.total_bits(hidden, vocab) // 8, head.desc))
+        kept = {model.adapter.embed, model.adapter.final_norm} | {
+            model.adapter.prefix(i) + rel for i in range(model.num_layers) for rel in model.stored_names(i)
+            if not rel.endswith(".weight") or rel.removesuffix(".weight") not in set(model.block(i).linears)}
+        for name in sorted(kept, key=list(model.weights.entries).index):
+            e = model.weights.entries[name]
+            rows.append(PlanRow(name, tuple(e.shape), "float16", e.numel * 2, "kept"))
+        plan = Plan("exl2", variant.text, str(output_folder(model, out_dir, variant.text)), rows)
+        run = settings.run
+        plan.extra["calibration"] = run.calibration_text()
+        plan.extra["bit budget"] = (f"{int(weights * s.target_bpw)} bits for {weights} decoder-linear weights "
+                                    f"(≤ {s.target_bpw} bpw as exllamav2 counts, scales and permutations included)")
+        plan.extra["measurement"] = (f"from {settings.measurement}" if measurement else
+                                     f"pass 1 measures {len(ATTENTION_OPTIONS)} attention and {len(MLP_OPTIONS)} MLP "
+                                     f"options per layer on {s.measure_samples or 'all'} windows")
+        plan.extra["peak memory (estimate)"] = _memory_estimate(model, run.calib_samples, run.calib_seqlen)
+        if run.estimate_time:
+            device = resolve_device(run.device)
+            seconds = _time_estimate(model, run.calib_samples, run.calib_seqlen, s, measurement is None, device)
+            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}"
+        plan.extra["loads in"] = "exllamav2 / TabbyAPI (CUDA or ROCm; transformers does not load EXL2)"
+        return plan
+
+    def make_job(self, model, variant, plan: Plan, folder: Path, settings: EXL2RunSettings, calibration) -> EXL2Job:
+        s = variant.settings(settings.measure_samples)
+        return EXL2Job(model, s, variant.text, folder, measurement=settings.load_measurement(),
+                       save_measurement=Path(settings.save_measurement) if settings.save_measurement else None,
+                       device=resolve_device(settings.run.device), calibration=calibration,
+                       max_shard_bytes=settings.run.max_shard_bytes)
+
+    def can_read(self, path: Path) -> bool:
+        p = Path(path)
+        return p.is_dir() and read_quantization_config(p) is not None
+
+    def open_artifact(self, path: Path, base=None, activations: str = "exact") -> EXL2Checkpoint:
+        if activations != "exact":
+            raise UsageError("--activations: use the default (exact) for EXL2")
+        return EXL2Checkpoint(Path(path))
+
+    def describe_artifact(self, path: Path) -> dict:
+        m = EXL2Checkpoint(Path(path))
+        q = m.qconfig
+        return m.described("exl2", bits=q.get("bits"), head_bits=q.get("head_bits"), version=q.get("version"),
+                           calibration=q.get("calibration"))
+
+
+def _memory_estimate(model, samples: int, seqlen: int) -> str:
+    cfg = model.config
+    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+    candidates = layer * 4 * 2                          # one sub-block's candidate weights + the working copy
+    stream = samples * seqlen * cfg.hidden_size * 4
+    head = cfg.vocab_size * cfg.hidden_size * 4 * 3     # the head's weights, its quantized copy and its errors
+    total = stream * 3 + candidates + head + 400 * 2**20
+    return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB + the sub-block outputs the "
+            f"measurement compares + one sub-block's candidates + the head + runtime)")
+
+
+def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: torch.device) -> float:
+    """Two forwards per layer per pass, the measurement's sub-block re-runs (one per option) on its windows,
+    and the quantizations (each an act-order GPTQ over the layer's rows, ~K² · N multiply-adds)."""
+    flops = matmul_flops(device, default_compute_dtype(device))
+    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+    tokens = samples * seqlen
+    forward = 2 * 2 * layer * tokens / flops
+    per_layer = forward * 2
+    if measure:
+        windows = min(samples, s.measure_samples or samples)
+        options = len(ATTENTION_OPTIONS) + len(MLP_OPTIONS)
+        per_layer += options * 2 * layer * windows * seqlen / flops
+        per_layer += sum(len(d) for d in distinct(ATTENTION_OPTIONS) + distinct(MLP_OPTIONS)) / 7 * \
+            2 * layer * model.config.hidden_size / (flops / 8)
+    return per_layer * model.num_layers
+
+
+BACKEND = EXL2Backend()

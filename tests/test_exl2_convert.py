@@ -1,0 +1,126 @@
+"""HF checkpoint -> EXL2 folder through the two-pass capture job: the files exllamav2 loads and their keys, the
+measurement (exllamav2's measurement.json, reused by --measurement for the same bytes), the allocation under
+the budget, quality ordered by bits, the reader, the dry run, and bad input."""
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_TEXT, make_checkpoint, run_cli
+from quantkit import api
+from quantkit.backends.exl2.reader import EXL2Checkpoint
+from quantkit.eval.harness import evaluate
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.safetensors_reader import SafetensorsCheckpoint
+
+CALIB = {"calib_samples": 4, "calib_seqlen": 32, "seed": 0, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(TINY_TEXT * 3)
+    return p
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("exl2") / "src", hidden=128, intermediate=256, heads=4,
+                           kv_heads=2, layers=2, train_steps=150)
+
+
+@pytest.fixture(scope="module")
+def four_bit(model, calib_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out4")
+    (folder,) = api.convert(str(model), ["exl2:4.0bpw"], out, options={**CALIB, "calib": str(calib_text)})
+    return folder
+
+
+def test_folder_holds_what_exllamav2_loads(model, four_bit):
+    cfg = json.loads((four_bit / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "exl2" and q["bits"] == 4.0 and q["head_bits"] == 6
+    assert q["calibration"] == {"rows": 4, "length": 32, "dataset": "calib.txt"}
+    st = SafetensorsCheckpoint(four_bit)
+    names = set(st.names())
+    for i in range(2):
+        for lin in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            p = f"model.layers.{i}.{lin}"
+            assert {f"{p}.{k}" for k in ("q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups")} <= names
+            assert f"{p}.weight" not in names
+            assert st.get(f"{p}.q_weight").dtype == torch.int32 and st.get(f"{p}.q_groups").dtype == torch.int16
+            assert st.get(f"{p}.q_scale_max").dtype == torch.float16
+            assert st.get(f"{p}.q_weight").shape[1] % 32 == 0
+        assert st.get(f"model.layers.{i}.input_layernorm.weight").dtype == torch.float16
+    assert st.get("model.embed_tokens.weight").dtype == torch.float16 and "lm_head.q_weight" in names
+    # groups in decreasing width, as the kernels walk them
+    widths = st.get("model.layers.0.mlp.down_proj.q_groups").tolist()[::2]
+    assert widths == sorted(widths, reverse=True)
+    m = json.loads((four_bit / "measurement.json").read_text())["measurement"]
+    assert set(m) == {f"model.layers.{i}.{k}" for i in range(2) for k in ("self_attn", "mlp")}
+    assert len(m["model.layers.0.self_attn"]) == 19 and len(m["model.layers.1.mlp"]) == 17
+    opt = m["model.layers.0.self_attn"][0]
+    assert {"accuracy", "total_bits", "q_proj", "k_proj", "v_proj", "o_proj"} <= set(opt)
+    assert set(opt["q_proj"]) == {"group_size", "bits", "bits_prop", "scale_bits"}
+    info = json.loads((four_bit / "quantkit.json").read_text())
+    assert info["achieved_bpw"] <= 4.0 and info["allocated_bits"] <= info["budget_bits"]
+    assert len(info["sub_blocks"]) == 4 and info["files"]
+
+
+def test_planned_bytes_equal_written_bytes_and_no_partial_folder(four_bit):
+    assert not [p for p in four_bit.parent.iterdir() if p.name.startswith(".partial")]
+    index = four_bit / "model.safetensors.index.json"
+    assert not index.exists()     # one shard at this size
+
+
+def test_quality_follows_the_bits_and_the_reader_reads_its_own_weights(model, calib_text, four_bit, tmp_path):
+    (low,) = api.convert(str(model), ["exl2:3.0bpw"], tmp_path, options={**CALIB, "calib": str(calib_text),
+                                                                          "measurement": str(four_bit / "measurement.json")})
+    (high,) = api.convert(str(model), ["exl2:8.0bpw-h8"], tmp_path, options={**CALIB, "calib": str(calib_text),
+                                                                              "measurement": str(four_bit / "measurement.json")})
+    base = Checkpoint(model)
+    tokens = base.tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :96].reshape(3, 32)
+    kld = {}
+    for name, folder in (("3.0", low), ("4.0", four_bit), ("8.0", high)):
+        kld[name] = evaluate(EXL2Checkpoint(folder), tokens, base=base, device="cpu").mean_kld
+    assert kld["8.0"] < kld["4.0"] < kld["3.0"]
+    assert kld["8.0"] < 1e-3
+    for f in (low, high):
+        info = json.loads((f / "quantkit.json").read_text())
+        assert info["achieved_bpw"] <= float(info["target_bpw"]) and not info["measured_here"]
+
+
+def test_a_given_measurement_gives_the_same_bytes(model, calib_text, four_bit, tmp_path):
+    (again,) = api.convert(str(model), ["exl2:4.0bpw"], tmp_path, options={
+        **CALIB, "calib": str(calib_text), "measurement": str(four_bit / "measurement.json")})
+    a, b = SafetensorsCheckpoint(four_bit), SafetensorsCheckpoint(again)
+    assert set(a.names()) == set(b.names())
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+
+
+def test_dry_run_names_the_budget_and_the_runtime(model, calib_text):
+    r = run_cli("convert", str(model), "-f", "exl2:4.0bpw", "--calib", str(calib_text), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "bit budget" in r.stdout and "exllamav2" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-f", "exl2:9bpw"], "between 2.0 and 8.0"),
+    (["-f", "exl2:4.0bpw-h7"], "head bits 7"),
+    (["-f", "exl2:fourbpw"], "expected BPWbpw"),
+    (["-f", "exl2:4.0bpw", "--measurement", "/nonexistent/m.json"], "cannot read it"),
+])
+def test_bad_input_is_one_line(model, calib_text, tmp_path, args, message):
+    out = tmp_path / "o"
+    r = run_cli("convert", str(model), *args, "--calib", str(calib_text), "--calib-samples", "4",
+                "--calib-seqlen", "32", "-o", str(out))
+    assert r.returncode != 0 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_mixtures_of_experts_are_refused_in_one_line(tmp_path, calib_text):
+    src = make_checkpoint(tmp_path / "moe", "qwen2_moe", hidden=64, intermediate=128, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    r = run_cli("convert", str(src), "-f", "exl2:4.0bpw", "--calib", str(calib_text), "--dry-run")
+    assert r.returncode == 2 and "mixture of experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1
