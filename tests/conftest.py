@@ -121,6 +121,14 @@ def _fit_to_tiny_text(model, folder: Path, steps: int, seed: int) -> None:
 
 
 @pytest.fixture(scope="session")
+def calib_text(tmp_path_factory):
+    """A small calibration text file (TINY_TEXT three times), for the calibrated formats' tests."""
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(TINY_TEXT * 3)
+    return p
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "llama")
 

@@ -111,13 +111,6 @@ def test_scale_search_protects_salient_channels_and_is_never_worse_than_plain_ro
 
 # --- conversion ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("calib") / "calib.txt"
-    p.write_text(TINY_TEXT * 3)
-    return p
-
-
-@pytest.fixture(scope="module")
 def mha_model(tmp_path_factory):
     """Full multi-head attention (v_proj as wide as o_proj reads, so v → o takes a scale), fitted to TINY_TEXT."""
     return make_checkpoint(tmp_path_factory.mktemp("awq") / "mha", hidden=128, intermediate=256, heads=4,

@@ -17,13 +17,6 @@ CALIB = {"calib_samples": 4, "calib_seqlen": 32, "seed": 0, "device": "cpu"}
 
 
 @pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("calib") / "calib.txt"
-    p.write_text(TINY_TEXT * 3)
-    return p
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("exl2") / "src", hidden=128, intermediate=256, heads=4,
                            kv_heads=2, layers=2, train_steps=150)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_TEXT, run_cli
+from conftest import run_cli
 from quantkit import api
 from quantkit.backends.gguf import encoders
 from quantkit.calibration import CalibrationSpec, load_calibration
@@ -13,13 +13,6 @@ from quantkit.calibration.imatrix import ImatrixCollector
 from quantkit.model.checkpoint import Checkpoint
 
 OPTS = {"tokenizer_pre": "gpt-2", "device": "cpu", "calib_samples": 4, "calib_seqlen": 32, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("calib") / "calib.txt"
-    p.write_text(TINY_TEXT * 3)
-    return p
 
 
 def test_collector_is_the_mean_square_of_each_linears_input(tiny_gguf_source):

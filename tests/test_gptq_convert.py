@@ -16,13 +16,6 @@ from quantkit.calibration.stats import HessianAccumulator
 CALIB = {"calib_samples": 4, "calib_seqlen": 32, "seed": 0, "device": "cpu"}
 
 
-@pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    p = tmp_path_factory.mktemp("calib") / "calib.txt"
-    p.write_text(TINY_TEXT * 3)
-    return p
-
-
 def convert(src, out, *variants, calib=None, **opts):
     options = {**CALIB, "calib": str(calib) if calib else None, **opts}
     return api.convert(str(src), [f"gptq:{v}" for v in variants], out, options=options)
