@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..int32_words import as_int32
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # column (within 8) held by nibble i
 PER_WORD = 8
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    words = words & 0xFFFFFFFF
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -24,7 +20,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{cols} columns cannot be packed: AWQ needs a multiple of 8")
     c = codes.to(torch.int64).view(rows, cols // PER_WORD, PER_WORD)[..., list(ORDER)]
     shifts = torch.arange(PER_WORD, device=c.device, dtype=torch.int64) * 4
-    return _to_int32((c << shifts).sum(dim=-1))
+    return as_int32((c << shifts).sum(dim=-1))
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from functools import cache
 
 import torch
 
+from ..int32_words import as_int32
 # the 16 NF4 levels (normal-distribution quantiles scaled to [-1, 1]), ascending; code i is level i
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -62,8 +63,7 @@ def _nearest_tables(levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tens
     ascending = table[order]
     mids = (ascending[:-1] + ascending[1:]) / 2
     first = torch.arange(1 << 16, dtype=torch.int64) << 16
-    ends = [torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
-            for b in (first, first | 0xFFFF)]
+    ends = [as_int32(b).view(torch.float32) for b in (first, first | 0xFFFF)]
     # a negative prefix counts down: its interval runs from the last pattern up to the first
     low = torch.nan_to_num(torch.minimum(*ends), nan=2.0, posinf=2.0, neginf=2.0)   # inf/NaN prefixes: never met
     high = torch.nan_to_num(torch.maximum(*ends), nan=2.0, posinf=2.0, neginf=2.0)

@@ -87,9 +87,10 @@ class EXL2Backend(Backend):
         head = HEAD_OPTIONS[s.head_bits]
         rows.append(PlanRow(head_name(model.adapter), (vocab, hidden), f"exl2 head {s.head_bits}-bit",
                             head.total_bits(hidden, vocab) // 8, head.desc))
-        kept = {model.adapter.embed, model.adapter.final_norm} | {
-            model.adapter.prefix(i) + rel for i in range(model.num_layers) for rel in model.stored_names(i)
-            if not rel.endswith(".weight") or rel.removesuffix(".weight") not in set(model.block(i).linears)}
+        kept = {model.adapter.embed, model.adapter.final_norm}
+        for i in range(model.num_layers):
+            linears = {f"{lin}.weight" for lin in model.block(i).linears}
+            kept |= {model.adapter.prefix(i) + rel for rel in model.stored_names(i) if rel not in linears}
         for name in sorted(kept, key=list(model.weights.entries).index):
             e = model.weights.entries[name]
             rows.append(PlanRow(name, tuple(e.shape), "float16", e.numel * 2, "kept"))

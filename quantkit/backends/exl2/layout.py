@@ -3,14 +3,14 @@ linear, embeddings and norms in float16, the quantization_config exllamav2's con
 models quantkit can write this way."""
 from __future__ import annotations
 
+import torch
+
 from ...errors import UsageError
 from ...model.block import Attention, GatedMLP
 from ...model.safetensors_writer import TensorSpec
 from ..hf_folder import checkpoint_specs as hf_checkpoint_specs
 from .layouts import RowLayout
 from .packing import packed_rows, padded_columns
-
-import torch
 
 EXLLAMAV2_VERSION = "0.3.2"          # the release whose layout this is (frozen since 2025-07)
 # exllamav2's fixed names for the positions of its option tables

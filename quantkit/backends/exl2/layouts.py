@@ -91,7 +91,7 @@ class RowLayout:
         them: codes, 16-bit q_scale_max and two 16-bit q_groups entries per group, a 4-bit scale per group and
         column, a 32-bit q_invperm entry per row, and a float16 bias."""
         groups = sum(self.group_counts(rows))
-        weight_bits = sum((g.end - g.start) * b for g in self.groups(rows) for b in [g.bits]) * columns
+        weight_bits = sum((g.end - g.start) * g.bits for g in self.groups(rows)) * columns
         return (weight_bits + groups * 16 + groups * 32 + groups * columns * SCALE_BITS + rows * 32
                 + (16 * columns if bias else 0))
 

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..int32_words import as_int32
 from .layouts import Group, SCALE_BITS
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    words = words & 0xFFFFFFFF
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 def packed_rows(rows: int, bits: int) -> int:
@@ -32,7 +28,7 @@ def pack_group(codes: torch.Tensor, bits: int) -> torch.Tensor:
     spill = shift + bits > 32                         # the code's high bits continue in the next word
     if spill.any():
         out.index_add_(0, word[spill] + 1, c[spill] >> (32 - shift[spill])[:, None])
-    return _to_int32(out[:-1])
+    return as_int32(out[:-1])
 
 
 def unpack_group(packed: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
@@ -52,7 +48,7 @@ def pack_scales(qscale: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{columns} columns: EXL2 scales pack 8 to a word")
     c = (qscale.to(torch.int64) - 1).view(groups, columns // 8, 8)
     shifts = torch.arange(8, device=c.device, dtype=torch.int64) * SCALE_BITS
-    return _to_int32((c << shifts).sum(dim=-1))
+    return as_int32((c << shifts).sum(dim=-1))
 
 
 def unpack_scales(packed: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,7 @@ from .packing import unpack_linear
 
 
 def read_quantization_config(folder: Path) -> dict | None:
-    """config.json's quantization_config when it says exl2; a folder without one but with EXL2 tensors (the
-    converter without -cf writes none) is recognised by `looks_like_exl2`."""
+    """config.json's quantization_config when it says exl2 (exllamav2's converter writes it with -cf)."""
     path = Path(folder) / "config.json"
     try:
         q = json.loads(path.read_text()).get("quantization_config")
