@@ -92,6 +92,26 @@ def test_a_given_measurement_gives_the_same_bytes(model, calib_text, four_bit, t
     assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
 
 
+def test_targets_of_one_run_share_one_measurement(model, calib_text, four_bit, tmp_path, monkeypatch):
+    """Two targets in one run: every sub-block measured once, and each folder the same bytes as its target
+    converted alone."""
+    from quantkit.backends.exl2.job import EXL2Job
+    measured = []
+    original = EXL2Job._measure
+    monkeypatch.setattr(EXL2Job, "_measure", lambda self, ctx, sub: (measured.append(ctx.layer), original(self, ctx, sub)))
+    folders = api.convert(str(model), ["exl2:3.0bpw", "exl2:4.0bpw"], tmp_path,
+                          options={**CALIB, "calib": str(calib_text)})
+    assert len(measured) == 4                      # 2 layers x (attention, MLP), not twice that
+    together = SafetensorsCheckpoint(folders[1])
+    alone = SafetensorsCheckpoint(four_bit)
+    assert set(together.names()) == set(alone.names())
+    assert all(torch.equal(together.get(n), alone.get(n)) for n in alone.names())
+    for f in folders:
+        assert (f / "measurement.json").read_text() == (four_bit / "measurement.json").read_text()
+    infos = [json.loads((f / "quantkit.json").read_text()) for f in folders]
+    assert [i["measured_here"] for i in infos] == [True, False]
+
+
 def test_dry_run_names_the_budget_and_the_runtime(model, calib_text):
     r = run_cli("convert", str(model), "-f", "exl2:4.0bpw", "--calib", str(calib_text), "--dry-run")
     assert r.returncode == 0, r.stderr

@@ -87,7 +87,7 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
     batch = batch_for(tokens.shape[1])
     rt = Runtime(tokens.shape[1], device, compute_dtype)
     for index in range(passes):
-        active = [j for j in jobs if getattr(j, "passes", 1) > index]
+        active = [j for j in jobs if getattr(j, "first_pass", 0) <= index < getattr(j, "passes", 1)]
         # Streams stay on the device when it is the CPU, or when they take under a quarter of free GPU memory.
         stream_bytes = tokens.numel() * cfg.hidden_size * 4 * len(active)
         home = device
@@ -109,5 +109,6 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
             task.advance()
         task.done()
         del streams, first
-        for job in active:
+        waiting = [j for j in jobs if j not in active and index < getattr(j, "passes", 1)]
+        for job in active + waiting:
             job.end_pass(index)

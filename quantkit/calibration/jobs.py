@@ -10,7 +10,9 @@ true-sequential order, the pass calls
     finish_layer(ctx)           the layer is done (write it out)
 
 and, after the last layer of each pass, `end_pass(index)`.  A job with `passes = 2` sees every layer in pass 0
-(EXL2's measurement) before any layer in pass 1; each pass starts a fresh stream from the embeddings.
+(EXL2's measurement) before any layer in pass 1; each pass starts a fresh stream from the embeddings.  A job
+with `first_pass = 1` sits pass 0 out (an EXL2 target that reads the measurement another job of the run makes)
+but still gets `end_pass(0)`, after the jobs that took part in it.
 
 `ArtifactJob` adds the artifact's life cycle: `open`, `finish` (-> the artifact's path), `abort`, and
 `run_uncalibrated` for variants that need no data (round to nearest), which walks the layers with
@@ -60,6 +62,7 @@ class PassJob:
     """Defaults for a one-pass job that quantizes nothing; participants override what they need."""
     label = "job"
     passes = 1
+    first_pass = 0
 
     def observe(self, ctx, group: InputGroup, x: torch.Tensor) -> None:
         pass

@@ -3,7 +3,7 @@ quantkit's own EXL2 quantizer on the shared capture pass (CPU or GPU)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,9 @@ class EXL2RunSettings:
     measurement: str | None = None
     save_measurement: str | None = None
     measure_samples: int | None = None
+    # One measurement per run serves every exl2 target in it: (damp, windows) -> the measurement dict that the
+    # first job of those settings fills and the others read after pass 1.
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     def load_measurement(self) -> dict | None:
         if not self.measurement:
@@ -101,7 +104,8 @@ class EXL2Backend(Backend):
                                     f"(≤ {s.target_bpw} bpw as exllamav2 counts, scales and permutations included)")
         plan.extra["measurement"] = (f"from {settings.measurement}" if measurement else
                                      f"pass 1 measures {len(ATTENTION_OPTIONS)} attention and {len(MLP_OPTIONS)} MLP "
-                                     f"options per layer on {s.measure_samples or 'all'} windows")
+                                     f"options per layer on {s.measure_samples or 'all'} windows, once for "
+                                     f"every exl2 target of the run")
         plan.extra["peak memory (estimate)"] = _memory_estimate(model, run.calib_samples, run.calib_seqlen)
         if run.estimate_time:
             device = resolve_device(run.device)
@@ -112,7 +116,11 @@ class EXL2Backend(Backend):
 
     def make_job(self, model, variant, plan: Plan, folder: Path, settings: EXL2RunSettings, calibration) -> EXL2Job:
         s = variant.settings(settings.measure_samples)
-        return EXL2Job(model, s, variant.text, folder, measurement=settings.load_measurement(),
+        key = (s.damp, s.measure_samples)
+        measurer = key not in settings.shared
+        if measurer:
+            settings.shared[key] = dict((settings.load_measurement() or {}).get("measurement", {}))
+        return EXL2Job(model, s, variant.text, folder, measurement=settings.shared[key], measurer=measurer,
                        save_measurement=Path(settings.save_measurement) if settings.save_measurement else None,
                        device=resolve_device(settings.run.device), calibration=calibration,
                        max_shard_bytes=settings.run.max_shard_bytes)

@@ -39,14 +39,17 @@ class EXL2Job(FolderJob):
     log_key = "sub_blocks"
 
     def __init__(self, model, settings, variant: str, folder: Path, *, measurement: dict | None = None,
-                 save_measurement: Path | None = None, **kw):
+                 measurer: bool = True, save_measurement: Path | None = None, **kw):
         super().__init__(model, settings, variant, folder, None, **kw)
         self.slots = slots(model)
         # (layer, a linear of the sub-block) -> (exllamav2's module key, the sub-block's linears in table order)
         self.slot_of = {(layer, lin): (key, names) for layer, key, names in self.slots for lin in names}
-        self.measurement: dict = dict((measurement or {}).get("measurement", {}))
+        # sub-block key -> its options' results; shared with the run's other exl2 jobs, of which only the
+        # measurer fills it (the others join at pass 2)
+        self.measurement: dict = {} if measurement is None else measurement
         self.save_measurement = save_measurement
         self.passes = 1 if all(key in self.measurement for _, key, _ in self.slots) else 2
+        self.first_pass = 0 if measurer or self.passes == 1 else 1
         self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
         self.prepared: dict[str, algorithm.Prepared] = {}        # linear -> its input's factorization
         self.candidates: dict[tuple[str, RowLayout], torch.Tensor] = {}
@@ -226,4 +229,4 @@ class EXL2Job(FolderJob):
         a = self.allocation
         return {"target_bpw": self.settings.target_bpw, "achieved_bpw": round(a.bits / self.weights_counted, 5),
                 "budget_bits": int(self.weights_counted * self.settings.target_bpw), "allocated_bits": a.bits,
-                "predicted_error": round(a.error, 6), "measured_here": self.passes == 2}
+                "predicted_error": round(a.error, 6), "measured_here": self.passes == 2 and self.first_pass == 0}
