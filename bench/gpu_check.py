@@ -9,6 +9,8 @@ Run on a machine with CUDA (bench/gpu_check.sh sets it up on the lent H200); wri
    tokens: times, how far the two artifacts' weights are apart, perplexity of each; then the GPU-only
    consumers when installed (vLLM, exllamav2): does the CUDA-made folder load, and do its logits agree with
    quantkit's reader (top-1 over the check windows)?
+5. AWQ 4-bit g128 of that model made on CUDA, loaded in vLLM (quantization="awq"), and EXL2 at 4.0 bpw made
+   on CUDA, loaded in exllamav2: top-1 against quantkit's own readers, and the CUDA conversion times.
 """
 from __future__ import annotations
 
@@ -97,6 +99,12 @@ def main(out_dir: Path) -> None:
         report["gptq"] = gptq_check(src, text, tokens, out_dir, cuda)
     except Exception as e:
         report["gptq"] = {"error": f"{type(e).__name__}: {e}"[:800]}
+    for name, check in (("awq", awq_check), ("exl2", exl2_check)):
+        try:
+            report[name] = check(src, text, tokens, out_dir, cuda)
+        except Exception as e:
+            report[name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+        print(name, report[name], flush=True)
     print(json.dumps(report, indent=2))
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
@@ -132,18 +140,45 @@ def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
     return result
 
 
+def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, reader, tokens: torch.Tensor, cuda: bool):
+    """One calibrated artifact made on the fastest device here: its folder, the time, quantkit's top-1 ids."""
+    from quantkit.eval.harness import window_logits
+    calib = out_dir / "calib.txt"
+    calib.write_text(text.read_text() * 40)
+    dev = "cuda" if cuda else "cpu"
+    ((folder,), secs) = timed(lambda: api.convert(str(src), [fmt], out_dir / f"{fmt.split(':')[0]}-{dev}", options={
+        "calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0, "device": dev}), cuda)
+    ours = [w.argmax(-1) for w in window_logits(reader(folder), tokens)]
+    return folder, {"device": dev, "seconds": round(secs, 2)}, ours
+
+
+def awq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
+    from quantkit.backends.awq.reader import AWQCheckpoint
+    folder, result, ours = _calibrated(src, text, out_dir, "awq:4bit-g128", AWQCheckpoint, tokens, cuda)
+    result["vllm"] = _vllm_agreement(folder, tokens, ours, quantization="awq")
+    return result
+
+
+def exl2_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
+    from quantkit.backends.exl2.reader import EXL2Checkpoint
+    folder, result, ours = _calibrated(src, text, out_dir, "exl2:4.0bpw", EXL2Checkpoint, tokens, cuda)
+    result["achieved_bpw"] = json.loads((folder / "quantkit.json").read_text())["achieved_bpw"]
+    result["exllamav2"] = _exllamav2_agreement(folder, tokens, ours)
+    return result
+
+
 def _top1(theirs: list[torch.Tensor], ours: list[torch.Tensor]) -> float:
     same = sum((a.cpu() == b.cpu()).sum().item() for a, b in zip(theirs, ours))
     return same / sum(t.numel() for t in ours)
 
 
-def _vllm_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor]) -> dict:
+def _vllm_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor], quantization: str = "gptq") -> dict:
     try:
         from vllm import LLM, SamplingParams
     except Exception as e:  # not installed on the device machine: say so
         return {"available": False, "why": f"{type(e).__name__}: {e}"[:300]}
     try:
-        llm = LLM(model=str(folder), quantization="gptq", dtype="float16", enforce_eager=True,
+        llm = LLM(model=str(folder), quantization=quantization, dtype="float16", enforce_eager=True,
                   gpu_memory_utilization=0.3, max_model_len=tokens.shape[1] + 8)
         params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
         outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens], params)
