@@ -65,13 +65,21 @@ RUNTIMES = ("quantkit", "llama.cpp", "transformers")
 
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
              device: str | None = None, runtime: str = "quantkit", activations: str = "exact",
-             progress: Progress = null_progress) -> EvalResult:
+             kv_cache: str | None = None, progress: Progress = null_progress) -> EvalResult:
     """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; another runtime
     runs the artifact in the runtime its format names (llama.cpp for GGUF; transformers + GPTQModel for GPTQ,
     transformers + bitsandbytes for bnb); the base model, if any, always runs in quantkit.
-    activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul."""
+    activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul.
+    kv_cache (a runtime's cache type, e.g. "q8_0") keeps the runtime's K/V cache in that type."""
     if runtime not in RUNTIMES:
         raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    if kv_cache is not None:
+        from .eval.kv_cache import parse_types
+        (kv_cache,) = parse_types(kv_cache)
+        backend = backend_for_artifact(Path(spec)) if Path(spec).exists() else None
+        if backend is None or runtime not in backend.kv_cache_runtimes:
+            raise UsageError("--kv-cache: the K/V cache is quantized by the runtime that runs the artifact: "
+                             "a GGUF file with --runtime llama.cpp")
     base_model = open_model(base) if base else None
     model = open_any(spec, base=base_model, activations=activations)
     tokens = load_windows((base_model or model).tokenizer, Path(data), ctx, windows)
@@ -81,9 +89,14 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
         if backend is None or runtime not in backend.runtimes:
             loads = {r: [b.name for b in registered_backends().values() if r in b.runtimes] for r in RUNTIMES[1:]}
             raise UsageError(f"--runtime {runtime} runs {', '.join(loads[runtime])} artifacts; {spec} is not one")
-        logits = backend.runtime_logits(Path(spec), runtime, tokens)
-    return _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
-                     progress=progress, model_logits=logits)
+        logits = backend.runtime_logits(Path(spec), runtime, tokens, **({"kv_cache": kv_cache} if kv_cache else {}))
+    result = _evaluate(model, tokens, base=base_model, device=resolve_device(device), data_name=str(data),
+                       progress=progress, model_logits=logits)
+    result.runtime = runtime
+    if kv_cache is not None:
+        from .eval.kv_cache import cache_bytes
+        result.kv_cache, result.kv_cache_bytes = kv_cache, cache_bytes(model.config, ctx, kv_cache)
+    return result
 
 
 def push(artifacts, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,

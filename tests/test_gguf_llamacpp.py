@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WIKI_TEST, needs_shared_data
+from conftest import ROOT, WIKI_TEST, needs_shared_data, run_cli
 from quantkit import api
 from quantkit.backends.gguf import llamacpp
 from quantkit.eval.harness import evaluate, load_windows
@@ -67,3 +67,31 @@ def test_loads_in_llama_cpp_with_same_logits_and_perplexity(demo_files):
 
 
 # every family in llama.cpp (F16 and Q4_K_M against quantkit's reading of the same file): test_gguf_families.py
+
+
+HEAD_TEXT = ROOT / "recipes" / "data" / "wikitext2-test-head.txt"
+
+
+def test_kv_cache_types_run_in_llama_cpp_beside_f16(demo_files):
+    ours, _ = demo_files
+    results = {kind: api.evaluate(str(ours["Q4_K_M"]), HEAD_TEXT, base="demo:smollm2-135m", ctx=128, windows=2,
+                                  device="cpu", runtime="llama.cpp", kv_cache=kind) for kind in ("f16", "q8_0", "q4_0")}
+    f16, q8, q4 = results["f16"], results["q8_0"], results["q4_0"]
+    assert all(r.kv_cache == k and r.runtime == "llama.cpp" for k, r in results.items())
+    # 30 layers x 128 positions x (3 KV heads x 64) for K and V: 2 bytes per value, 34 per 32, 18 per 32
+    assert f16.kv_cache_bytes == 2 * 30 * 128 * 192 * 2
+    assert (q8.kv_cache_bytes, q4.kv_cache_bytes) == (f16.kv_cache_bytes * 34 // 64, f16.kv_cache_bytes * 18 // 64)
+    # the cache really is quantized: 4-bit costs agreement, 8-bit almost nothing
+    assert q4.mean_kld > f16.mean_kld * 1.2
+    assert q8.mean_kld == pytest.approx(f16.mean_kld, rel=0.3) and q8.mean_kld != f16.mean_kld
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache", "q3_k", "--runtime", "llama.cpp"], "expected one or more of"),
+    (["--kv-cache", "q8_0"], "--runtime llama.cpp"),
+    (["--kv-cache", "q8_0", "--runtime", "llama.cpp", "--record"], "--record"),
+])
+def test_kv_cache_refusals(demo_files, args, message):
+    ours, _ = demo_files
+    r = run_cli("eval", str(ours["Q4_K_M"]), "--data", str(HEAD_TEXT), "--windows", "1", "--ctx", "32", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

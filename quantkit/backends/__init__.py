@@ -117,6 +117,8 @@ class Backend:
 
     # runtimes other than quantkit's own reader that load this format's artifacts (for eval --runtime, verify)
     runtimes: tuple[str, ...] = ()
+    # those of them that can keep the K/V cache quantized: runtime_logits(..., kv_cache=TYPE)
+    kv_cache_runtimes: tuple[str, ...] = ()
 
     def runtime_logits(self, path: Path, runtime: str, tokens):
         """Each window's logits (ctx, vocab) from `runtime` (one of `runtimes`) running the artifact."""

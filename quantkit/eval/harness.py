@@ -46,6 +46,9 @@ class EvalResult:
     base_perplexity: float | None = None
     mean_kld: float | None = None
     top1_agreement: float | None = None
+    runtime: str = "quantkit"
+    kv_cache: str | None = None            # the runtime's K/V cache type, when one was asked for
+    kv_cache_bytes: int | None = None      # that cache's bytes at ctx tokens
 
     def to_dict(self) -> dict:
         return asdict(self)

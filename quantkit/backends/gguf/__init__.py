@@ -150,10 +150,11 @@ class GGUFBackend(Backend):
         return describe(Path(path))
 
     runtimes = ("llama.cpp",)
+    kv_cache_runtimes = ("llama.cpp",)
 
-    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor, kv_cache: str | None = None):
         from . import llamacpp
-        return llamacpp.window_logits(Path(path), tokens)
+        return llamacpp.window_logits(Path(path), tokens, kv_cache=kv_cache)
 
 
 def _refuse_impossible_overrides(tensors, overrides) -> None:

@@ -41,13 +41,19 @@ def quantize(src: Path, dst: Path, file_type: int, threads: int | None = None) -
         raise SourceError(f"llama.cpp failed to quantize {src} (code {rc})")
 
 
-def window_logits(path: Path, tokens: torch.Tensor, threads: int | None = None):
-    """Yield llama.cpp's logits (ctx, vocab) for each window, each evaluated from an empty context."""
+def window_logits(path: Path, tokens: torch.Tensor, threads: int | None = None, kv_cache: str | None = None):
+    """Yield llama.cpp's logits (ctx, vocab) for each window, each evaluated from an empty context.
+    `kv_cache` (a name of quantkit.eval.kv_cache.LLAMACPP_TYPES) keeps K and V in that type, with flash
+    attention (which llama.cpp's quantized V cache needs); None: llama.cpp's defaults."""
     lc = load_llama_cpp()
     ctx = tokens.shape[1]
+    cache = {}
+    if kv_cache is not None:
+        from ...eval.kv_cache import ggml_type
+        cache = {"type_k": int(ggml_type(kv_cache)), "type_v": int(ggml_type(kv_cache)), "flash_attn": True}
     try:
         model = lc.Llama(str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True, verbose=False,
-                         n_threads=threads or os.cpu_count() or 1)
+                         n_threads=threads or os.cpu_count() or 1, **cache)
     except ValueError as e:
         raise SourceError(f"{path}: llama.cpp cannot load this file ({e})") from None
     try:
