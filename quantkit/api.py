@@ -5,13 +5,18 @@ from pathlib import Path
 from typing import Any
 
 
+import logging
+
+from . import __version__
 from .device import resolve_device
 from .backends import Plan, backend_for_artifact, parse_format_spec, registered_backends, PLANNED
-from .errors import UsageError
+from .errors import INTERRUPTS, OutputError, UsageError
 from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
 from .model.checkpoint import Checkpoint
 from .model.source import open_model
 from .progress import Progress, null_progress
+
+log = logging.getLogger("quantkit")
 
 
 def list_formats() -> dict[str, Any]:
@@ -171,12 +176,14 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     collected = {name: b.pass_jobs(model, items, settings[name]) for name, (b, items) in groups.items()
                  if not b.calibrated}
     written: list[Path] = []
-    if calibrated or any(collected.values()):
-        written = _convert_calibrated(model, calibrated, settings, [j for js in collected.values() for j in js],
-                                      options, progress)
-    for name, (backend, items) in groups.items():
-        if not backend.calibrated:
-            written += backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
+    from .artifact import output_locks
+    with output_locks([Path(p.output) for p in plans]):
+        if calibrated or any(collected.values()):
+            written = _convert_calibrated(model, calibrated, settings, [j for js in collected.values() for j in js],
+                                          options, progress, [Path(p.output) for p in plans], Path(out))
+        for name, (backend, items) in groups.items():
+            if not backend.calibrated:
+                written += backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
     # in the order the formats were asked for (the writing order groups them by format and calibration)
     asked = [Path(p.output) for p in plans]
     assert sorted(map(str, written)) == sorted(map(str, asked)), (written, asked)
@@ -213,9 +220,10 @@ def _settings(parsed, options: dict) -> dict:
 
 
 def _convert_calibrated(model, items, settings: dict, collectors: list, options: dict,
-                        progress: Progress) -> list[Path]:
+                        progress: Progress, outputs: list[Path], out: Path) -> list[Path]:
     """Every calibrated artifact of the run, and what uncalibrated formats collect (GGUF's importance matrix),
-    from one capture pass over the model."""
+    from one capture pass over the model; resumed from a previous run's last finished layer when that run had
+    the same inputs (quantkit.calibration.resume), unless options["resume"] is False."""
     from contextlib import ExitStack
     from .artifact import atomic_folder
     from .calibration import load_calibration
@@ -227,26 +235,99 @@ def _convert_calibrated(model, items, settings: dict, collectors: list, options:
     if calibrated_names:
         spec = calibration_spec(options, calibrated_names)
         calibration = load_calibration(spec, model, device=device, progress=progress)
+    checkpoint, point, saved = _run_checkpoint(model, items, collectors, options, calibration, outputs, out, device)
     with ExitStack() as stack:
         jobs = []
         try:
             for backend, variant, plan in items:
-                folder = stack.enter_context(atomic_folder(Path(plan.output)))
-                job = backend.make_job(model, variant, plan, folder, settings[backend.name], calibration)
-                job.open()
-                jobs.append(job)
-            run_capture(model, calibration.tokens if calibration is not None else None,
-                        [j for j in jobs if j.needs_calibration] + collectors, device=device, progress=progress)
+                resume = None if checkpoint is None else point is not None
+                folder = stack.enter_context(atomic_folder(
+                    Path(plan.output), resume=resume, keep_on_interrupt=lambda: checkpoint.saved is not None))
+                jobs.append(backend.make_job(model, variant, plan, folder, settings[backend.name], calibration))
+            capture_jobs = [j for j in jobs if j.needs_calibration] + collectors
+            if point is not None:
+                # every job made before any is restored: a job's shape (its passes) must be the one it had in
+                # the run being resumed, not one seen through another job's restored state
+                for job, (state, _) in zip(jobs + collectors, saved):
+                    job.restore(state)
+            for job in jobs:
+                try:
+                    job.open()
+                except OSError as e:
+                    if point is None:
+                        raise
+                    raise OutputError(f"{job.folder}: the previous run's partial files cannot be taken up ({e}); "
+                                      f"rerun with --no-resume") from None
+            if point is not None:
+                passes = max(getattr(j, "passes", 1) for j in capture_jobs)
+                log.info(f"resuming from layer {point.layer} of {model.num_layers}"
+                         + (f" (pass {point.pass_index + 1}/{passes})" if passes > 1 else "")
+                         + f": {checkpoint.folder.name} holds the previous run's state")
+            resume = None
+            if point is not None:
+                resume = (point, {j: saved[k][1] for k, j in enumerate(jobs + collectors) if saved[k][1] is not None})
+            if checkpoint is not None:
+                checkpoint.bind(jobs + collectors)     # the numbering of the checkpoint's files
+            run_capture(model, calibration.tokens if calibration is not None else None, capture_jobs,
+                        device=device, progress=progress, resume=resume, checkpoint=checkpoint)
             plain = [j for j in jobs if not j.needs_calibration]
             for job in plain:
                 job.run_uncalibrated(progress.task(f"{job.label} layers", total=model.num_layers))
             for job in jobs:
                 job.finish()
-        except BaseException:
+        except BaseException as e:
             for job in jobs:
                 job.abort()
+            if checkpoint is not None:
+                checkpoint.settle()
+                if isinstance(e, INTERRUPTS) and checkpoint.saved is not None:
+                    e.resume_note = (f"rerun the same command to resume after layer {checkpoint.saved.layer}"
+                                     + (f" of pass {checkpoint.saved.pass_index + 1}" if checkpoint.saved.pass_index else "")
+                                     + f" (its state is in {checkpoint.folder})")
+                else:
+                    checkpoint.remove()
             raise
+    if checkpoint is not None:
+        checkpoint.remove()
     return [Path(p.output) for _, _, p in items]
+
+
+def _run_checkpoint(model, items, collectors, options, calibration, outputs, out, device):
+    """(checkpoint, resume point or None, [(state, stream)] by run job number) for a calibrated run."""
+    from .artifact import partial_folder
+    from .calibration.resume import RunCheckpoint, model_fingerprint
+    if calibration is None:
+        return None, None, []
+    manifest = {"quantkit": __version__, "model": model_fingerprint(model), "device": str(device),
+                "calibration": calibration.token_hash,
+                "formats": [f"{b.name}:{p.variant}" for b, _, p in items] + [c.label for c in collectors],
+                "options": {k: v for k, v in options.items() if k not in _NOT_IN_MANIFEST}}
+    checkpoint = RunCheckpoint(Path(out), outputs, manifest)
+    if options.get("resume") is False:     # --no-resume: no state is kept, and an old one is dropped
+        checkpoint.remove()
+        return None, None, []
+    point, why = checkpoint.find()
+    saved = []
+    if point is not None:
+        missing = [Path(p.output).name for _, _, p in items if not partial_folder(Path(p.output)).is_dir()]
+        if missing:
+            point, why = None, f"its partial folder of {missing[0]} is gone"
+    if point is not None:
+        try:
+            saved = [checkpoint.load_job(k, point) for k in range(len(items) + len(collectors))]
+        except Exception as e:       # a torn or foreign file: what matters is that the run starts afresh
+            point, why = None, f"its state cannot be read ({type(e).__name__})"
+    if why:
+        log.info(f"starting afresh, not resuming the previous run: {why}")
+    if point is None:
+        checkpoint.start_fresh()
+    else:
+        checkpoint.continue_from(point)
+    return checkpoint, point, saved
+
+
+# options that change nothing in the artifacts' bytes: a rerun with other values still resumes
+_NOT_IN_MANIFEST = {"resume", "estimate_time", "push_to_hub", "token"}
 
 
 def _parse_formats(formats: list[str]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -11,7 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import OutputError
+from .errors import INTERRUPTS, OutputError
 
 
 def sha256_file(path: Path) -> str:
@@ -80,12 +81,28 @@ def atomic_file(final: Path):
         raise
 
 
+def partial_folder(final: Path) -> Path:
+    """The fixed temporary name of a resumable folder artifact (its run holds `final`'s lock)."""
+    return Path(final).parent / f".partial-{Path(final).name}"
+
+
 @contextmanager
-def atomic_folder(final: Path):
-    """Yield a temporary folder beside `final`; it becomes `final` only if the block succeeds."""
+def atomic_folder(final: Path, resume: bool | None = None, keep_on_interrupt=lambda: False):
+    """Yield a temporary folder beside `final`; it becomes `final` only if the block succeeds.
+
+    resume None: a fresh folder of a random name, removed on any failure.  resume False / True: the fixed
+    `partial_folder(final)`, made afresh / taken up as a previous run left it; an interrupt (Ctrl-C,
+    SIGTERM) leaves it for a rerun to resume when `keep_on_interrupt()` says there is something to resume
+    (quantkit.calibration.resume); any other failure removes it."""
     final = Path(final)
     ensure_output_dir(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".partial-{final.name}.", dir=final.parent))
+    if resume is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".partial-{final.name}.", dir=final.parent))
+    else:
+        tmp = partial_folder(final)
+        if not resume:
+            shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700, exist_ok=True)
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; a finished artifact gets normal permissions
@@ -95,6 +112,43 @@ def atomic_folder(final: Path):
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputError(_os_error_message(final, e)) from None
+    except INTERRUPTS:
+        if resume is None or not keep_on_interrupt():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def output_locks(paths: list[Path]):
+    """Hold an exclusive lock on each output for the block: a second run writing one of them at the same time
+    refuses in one line instead of interleaving with this one.  The locks are flock(2) on `.NAME.lock` beside
+    each output, so a killed run leaves none behind; the files go when the run ends."""
+    held: list[tuple[int, Path]] = []
+    try:
+        for final in sorted({Path(p) for p in paths}):
+            ensure_output_dir(final.parent)
+            lock = final.parent / f".{final.name}.lock"
+            while True:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    raise OutputError(f"{final}: another quantkit run is writing it now (lock {lock}); wait for "
+                                      f"it to end, or write elsewhere with -o") from None
+                # the file may have been removed by the run that held it just before: lock the one on disk
+                try:
+                    if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                        break
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+            held.append((fd, lock))
+        yield
+    finally:
+        for fd, lock in held:
+            lock.unlink(missing_ok=True)   # while still held: a waiter then finds a new file and retries
+            os.close(fd)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .errors import QuantkitError, UsageError
+from .errors import INTERRUPTS, QuantkitError, Terminated, UsageError
 
 HELP = """Quantize a Hugging Face causal LM for every major runtime, check it, publish it.
 
@@ -209,6 +209,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help="GGUF: write llama.cpp's split layout (NAME-00001-of-0000N.gguf), parts of at most this much tensor data (e.g. 48G; decimal units, as llama-gguf-split)."),
             max_shard_size: float = typer.Option(4.0, "--max-shard-size", help="Largest safetensors shard, GiB."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+            resume: bool = typer.Option(True, "--resume/--no-resume", help="Calibrated runs: keep a commit point after every layer, and go on from a killed run's last one when the inputs are the same (default); --no-resume starts afresh and keeps none."),
             push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="ORG/NAME: push the artifacts when written, as one commit (see `quantkit push`)."),
             token: Optional[str] = typer.Option(None, "--token", help="Hub token for --push-to-hub (default: HF_TOKEN or the huggingface_hub login)."),
             as_json: bool = typer.Option(False, "--json", help="Print a JSON summary.")):
@@ -218,6 +219,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
     if max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive (GiB)")
     options = {"tensor_type": tensor_type, "pure": pure, "device": device, "tokenizer_pre": tokenizer_pre,
+               "resume": resume,
                "calib": calib, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen, "seed": seed,
                "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
@@ -395,8 +397,22 @@ def _render_plan(p) -> None:
         out.print(f"  {k}: {v}")
 
 
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def run() -> None:
-    """Console-script entry point: user errors become one line on stderr and an exit code."""
+    """Console-script entry point: user errors become one line on stderr and an exit code; notes (a resumed
+    run, say) a line each; Ctrl-C and SIGTERM unwind the run (no artifact is left half-written) and exit
+    130 / 143."""
+    import logging
+    import signal
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("quantkit")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except QuantkitError as e:
@@ -404,9 +420,11 @@ def run() -> None:
             raise
         err.print(f"[red]error:[/] {e.message}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted; no partial artifact was left behind")
-        sys.exit(130)
+    except INTERRUPTS as e:
+        note = getattr(e, "resume_note", None)
+        err.print("interrupted; no artifact was left half-written" + (f": {note}" if note else ""), highlight=False,
+                  soft_wrap=True)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
 
 
 if __name__ == "__main__":

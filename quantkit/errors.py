@@ -57,6 +57,14 @@ class QuantizationError(QuantkitError):
     exit_code = 9
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process was so that it unwinds as for Ctrl-C (exit 143); a BaseException like
+    KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+
+INTERRUPTS = (KeyboardInterrupt, Terminated)
+
+
 def is_network_failure(e: BaseException) -> bool:
     """A timeout, reset or refused connection, whichever HTTP client raised it (httpx and its forks name their
     classes TimeoutException / NetworkError / RemoteProtocolError / TransportError; the standard library's are

@@ -110,10 +110,12 @@ class LayerJobWriter:
         self.dtypes = {sp.name: sp.dtype for sp in specs}
         self.linears = {lin.name for row in model.stored_linears for lin in row}
 
-    def open(self) -> None:
-        self.writer.open()
+    def open(self, written: set[str] | None = None) -> None:
+        """`written`: resume the files a previous run left (quantkit.calibration.resume)."""
+        self.writer.open(written)
         embed = self.model.adapter.embed
-        self.writer.put(embed, self.model.tensor(embed).to(self.dtypes[embed]))
+        if embed not in (written or ()):
+            self.writer.put(embed, self.model.tensor(embed).to(self.dtypes[embed]))
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         self.writer.put(name, tensor)
@@ -166,7 +168,19 @@ class FolderJob(PassJob):
         return not self.rtn
 
     def open(self) -> None:
-        self.writer.open()
+        self.writer.open(self.resumed_written)
+
+    # --- crash resume (quantkit.calibration.resume): what the job carries from layer to layer ---------------
+    resumed_written: set[str] | None = None
+
+    def resume_state(self) -> dict:
+        return {"layer_log": list(self.layer_log), "seconds": time.time() - self.started,
+                "written": None if self.writer is None else sorted(self.writer.writer.written())}
+
+    def restore(self, state: dict) -> None:
+        self.layer_log = list(state["layer_log"])
+        self.started = time.time() - state["seconds"]
+        self.resumed_written = None if state["written"] is None else set(state["written"])
 
     def run_uncalibrated(self, progress_task=None) -> None:
         """Round to nearest: every layer through data-less contexts."""

@@ -77,8 +77,13 @@ def batch_for(seqlen: int, tokens_per_batch: int = 4096) -> int:
 
 @torch.no_grad()
 def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: torch.device,
-                compute_dtype: torch.dtype | None = None, progress: Progress = null_progress) -> None:
-    """Walk every decoder layer once per pass for all jobs (see the module docstring)."""
+                compute_dtype: torch.dtype | None = None, progress: Progress = null_progress,
+                checkpoint=None, resume: tuple | None = None) -> None:
+    """Walk every decoder layer once per pass for all jobs (see the module docstring).
+
+    `checkpoint` (quantkit.calibration.resume.RunCheckpoint) gets a commit point after every layer;
+    `resume` = (ResumePoint, {job: stream}) starts where a previous run's last commit point left off
+    (the jobs' own states already restored): earlier passes are skipped but for their end_pass."""
     if not jobs:
         return
     cfg = model.config
@@ -86,29 +91,42 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
     passes = max(getattr(j, "passes", 1) for j in jobs)
     batch = batch_for(tokens.shape[1])
     rt = Runtime(tokens.shape[1], device, compute_dtype)
+    point, saved_streams = resume if resume is not None else (None, {})
     for index in range(passes):
         active = [j for j in jobs if getattr(j, "first_pass", 0) <= index < getattr(j, "passes", 1)]
-        # Streams stay on the device when it is the CPU, or when they take under a quarter of free GPU memory.
-        stream_bytes = tokens.numel() * cfg.hidden_size * 4 * len(active)
-        home = device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            home = device if stream_bytes < free // 4 else torch.device("cpu")
-        first = embed(model, tokens).to(home)
-        streams = [first] + [first.clone() for _ in active[1:]]
-        label = "calibrate + quantize layers" if passes == 1 else f"pass {index + 1}/{passes}: layers"
-        task = progress.task(label, total=model.num_layers)
-        for i in range(model.num_layers):
-            source, block = model.layer(i), model.block(i)
-            for job, h in zip(active, streams):
-                ctx = LayerContext(i, block, source, weights=working_weights(block, source, device, compute_dtype),
-                                   stream=h, runtime=rt, batch=batch, pass_index=index)
-                quantize_layer(ctx, job)
-                job.finish_layer(ctx)
-            del source
-            task.advance()
-        task.done()
-        del streams, first
+        start = point.layer if point is not None and index == point.pass_index else 0
+        if point is None or index >= point.pass_index:
+            # Streams stay on the device when it is the CPU, or when they take under a quarter of free GPU memory.
+            stream_bytes = tokens.numel() * cfg.hidden_size * 4 * len(active)
+            home = device
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                home = device if stream_bytes < free // 4 else torch.device("cpu")
+            if start:
+                streams = [saved_streams[j].to(home) for j in active]
+            else:
+                first = embed(model, tokens).to(home)
+                streams = [first] + [first.clone() for _ in active[1:]]
+                del first
+            label = "calibrate + quantize layers" if passes == 1 else f"pass {index + 1}/{passes}: layers"
+            task = progress.task(label, total=model.num_layers)
+            task.advance(start)
+            for i in range(start, model.num_layers):
+                source, block = model.layer(i), model.block(i)
+                for job, h in zip(active, streams):
+                    ctx = LayerContext(i, block, source, weights=working_weights(block, source, device, compute_dtype),
+                                       stream=h, runtime=rt, batch=batch, pass_index=index)
+                    quantize_layer(ctx, job)
+                    job.finish_layer(ctx)
+                del source
+                # the last layer of the last pass is not committed: what follows it (the head, finish) is redone
+                if checkpoint is not None and not (index == passes - 1 and i == model.num_layers - 1):
+                    checkpoint.save(index, i + 1, list(zip(active, streams)))
+                task.advance()
+            task.done()
+            del streams
         waiting = [j for j in jobs if j not in active and index < getattr(j, "passes", 1)]
         for job in active + waiting:
             job.end_pass(index)
+    if checkpoint is not None:
+        checkpoint.wait()

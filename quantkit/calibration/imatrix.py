@@ -32,6 +32,12 @@ class ImatrixCollector(PassJob):
     def finish_layer(self, ctx) -> None:
         self.chunks = ctx.stream.shape[0]
 
+    def resume_state(self) -> dict:
+        return {"stats": self.stats, "chunks": self.chunks}   # pickled together: shared accumulators stay shared
+
+    def restore(self, state: dict) -> None:
+        self.stats, self.chunks = state["stats"], state["chunks"]
+
     def result(self) -> dict[str, torch.Tensor]:
         """HF weight name -> importance vector (in_features,) float32 on the CPU; a checkpoint's joined linear
         (Phi-3's qkv_proj) gets its parts' statistic, which they share since they read the same input."""

@@ -64,6 +64,14 @@ class PassJob:
     passes = 1
     first_pass = 0
 
+    def resume_state(self) -> dict:
+        """What the job carries from one layer to the next, for a crash resume (quantkit.calibration.resume);
+        called between layers, picklable."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Take back a `resume_state()` before the run goes on from its layer."""
+
     def observe(self, ctx, group: InputGroup, x: torch.Tensor) -> None:
         pass
 

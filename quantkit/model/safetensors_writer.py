@@ -85,12 +85,25 @@ class ShardedSafetensorsWriter:
             offset += spec.nbytes
         return header
 
-    def open(self) -> None:
+    def open(self, written: set[str] | None = None) -> None:
+        """Create the shards at their full size; `written` (a resumed run): reopen the shards a previous run of
+        the same plan left, whose tensors named there are already in place."""
         for path, raw, total in self.files:
+            if written is not None:
+                if not path.is_file() or path.stat().st_size != total:
+                    raise FileNotFoundError(f"{path}: not the shard a previous run of this plan left")
+                self._fds[path] = os.open(path, os.O_RDWR)
+                continue
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             self._fds[path] = fd
             _pwrite_all(fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(fd, total)
+        if written:
+            self.pending -= written
+
+    def written(self) -> set[str]:
+        """The planned tensors put so far (late ones excepted: they live in memory until close)."""
+        return set(self.where) - self.pending - set(self.late)
 
     def put_bytes(self, name: str, data, at: int) -> None:
         """Bytes of a planned tensor at byte `at` within it (a tensor written in pieces); `done` marks it whole."""

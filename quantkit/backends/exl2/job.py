@@ -70,7 +70,15 @@ class EXL2Job(FolderJob):
         s = self.settings
         specs = checkpoint_specs(self.model, self.layouts, HEAD_OPTIONS[s.head_bits])
         self.writer = LayerJobWriter(self.model, self.folder, specs, self.max_shard_bytes)
-        self.writer.open()
+        self.writer.open(self.resumed_written)
+
+    def resume_state(self) -> dict:
+        # the measurement so far (a follower's is the measurer's, shared); the rest is the folder job's
+        return {**super().resume_state(), "measurement": dict(self.measurement)}
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self.measurement.update(state["measurement"])
 
     def run_uncalibrated(self, progress_task=None) -> None:
         raise UsageError("exl2 needs calibration data: it measures and quantizes from the layers' inputs")
