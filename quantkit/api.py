@@ -104,6 +104,13 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
     return result
 
 
+def verify(artifact, *, base: str | None = None, runtimes: list[str] | None = None, tokens: int = 128,
+           generate: int = 32, record: bool = True):
+    """The artifact's integrity and its runs in the real runtimes (quantkit.verify)."""
+    from .verify import verify as _verify
+    return _verify(artifact, base=base, runtimes=runtimes, tokens=tokens, generate=generate, record=record)
+
+
 def push(artifacts, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
          message: str | None = None, token: str | None = None, card: bool = True, base_model: str | None = None,
          license: str | None = None, progress: Progress = null_progress):

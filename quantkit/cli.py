@@ -280,6 +280,44 @@ def push(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and 
     _render_push(result)
 
 
+@app.command("verify")
+def verify_cmd(artifact: Path = typer.Argument(..., help="A GGUF file or a quantized folder."),
+               base: Optional[str] = typer.Option(None, "--base", help="The original model: adds each runtime's agreement with it."),
+               runtime: List[str] = typer.Option([], "--runtime", help="Only this runtime (repeatable; default: every one that loads the format)."),
+               tokens: int = typer.Option(128, "--tokens", help="Tokens of the fixed text to compare logits on."),
+               generate: int = typer.Option(32, "--generate", help="Tokens to decode greedily (decode speed)."),
+               record: bool = typer.Option(True, "--record/--no-record", help="Store the verdicts in the artifact's record (default)."),
+               as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Check the artifact's bytes against its record, then load and run it in every runtime installed here that
+    loads its format: agreement with quantkit's reader, load time, tokens/s, peak memory; exits 1 on a failure."""
+    from . import api
+    report = api.verify(artifact, base=base, runtimes=runtime or None, tokens=tokens, generate=generate, record=record)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        i = report.integrity
+        out.print(f"{artifact}: files {i['verdict']}" + (f" ({i['why']})" if i.get("why") else
+                                                         f" ({i.get('files')} sha256 as recorded)"), highlight=False, soft_wrap=True)
+        t = Table("", *(r.runtime for r in report.runtimes), title=f"{report.tokens} tokens against quantkit's reader")
+        rows = [("verdict", None), ("loaded with", "loaded_with"), ("computes in", "dtype"), ("top-1", "top1_agreement"),
+                ("mean KLD", "mean_kld"), ("max |Δlogit|", "max_abs_logit_diff"), ("load s", "load_s"),
+                ("prompt tok/s", "prompt_tokens_per_s"), ("decode tok/s", "decode_tokens_per_s"),
+                ("peak RSS GiB", "peak_rss_gib")]
+        if base:
+            rows += [(f"top-1 vs {base}", "base_top1_agreement"), ("mean KLD vs base", "base_mean_kld")]
+        for label, key in rows:
+            t.add_row(label, *(r.verdict if key is None else str(r.figures.get(key, "–")) for r in report.runtimes))
+        out.print(t)
+        for r in report.runtimes:
+            if r.why:
+                out.print(f"{r.runtime}: {r.why}", highlight=False, soft_wrap=True)
+            if r.figures.get("generated"):
+                out.print(f"{r.runtime} continues: {r.figures['generated']!r}", highlight=False, soft_wrap=True)
+        out.print("passed" if report.passed else "FAILED", highlight=False, soft_wrap=True)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
 @app.command("card")
 def card_cmd(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and .gguf files."),
              repo: str = typer.Option(..., "--repo", help="ORG/NAME the card is for (used in its run commands)."),

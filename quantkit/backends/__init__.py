@@ -124,6 +124,19 @@ class Backend:
         """Each window's logits (ctx, vocab) from `runtime` (one of `runtimes`) running the artifact."""
         raise NotImplementedError
 
+    # the Python packages each runtime needs, for `verify`'s "not installed"
+    runtime_packages: dict[str, tuple[str, ...]] = {}
+
+    def runtime_missing(self, runtime: str) -> str | None:
+        import importlib.util
+        missing = [m for m in self.runtime_packages.get(runtime, ()) if importlib.util.find_spec(m) is None]
+        return f"needs {', '.join(missing)} (not installed here)" if missing else None
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        """The ways a user loads the artifact in `runtime`, the one they would try first first: (how, a callable
+        returning a quantkit.verify.sessions session) pairs, for `quantkit verify`."""
+        raise NotImplementedError
+
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.
 BUILTIN = {"gguf": "quantkit.backends.gguf:BACKEND", "gptq": "quantkit.backends.gptq:BACKEND",

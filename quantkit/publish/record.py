@@ -46,20 +46,30 @@ def write_metrics(artifact: Path, result, data: Path, runtime: str, activations:
     record = read_record(artifact)
     kept = [m for m in record.get("metrics", []) if m.get("protocol") != protocol]
     record["metrics"] = kept + [{"protocol": protocol, **figures}]
-    path = record_path(artifact)
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-    return path
+    return _write(artifact, record)
 
 
 def write_origin(artifact: Path, command: str, source: dict) -> Path:
     """Put the command that made `artifact` (and, for a GGUF file, whose record starts here, the quantkit
-    version and the source) into its record, atomically."""
+    version, the source and the file's sha256, which `verify` checks) into its record, atomically."""
     artifact = Path(artifact)
     record = read_record(artifact)
     record.setdefault("quantkit_version", __version__)
     record.setdefault("source", source)
+    if artifact.is_file():
+        record["files"] = {artifact.name: sha256_file(artifact)}      # the file just written
     record["command"] = command
+    return _write(artifact, record)
+
+
+def write_verify(artifact: Path, report: dict) -> Path:
+    """`quantkit verify`'s report into the artifact's record (the last one replaces the one before)."""
+    record = read_record(Path(artifact))
+    record["verify"] = report
+    return _write(Path(artifact), record)
+
+
+def _write(artifact: Path, record: dict) -> Path:
     path = record_path(artifact)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")

@@ -130,6 +130,15 @@ class AWQBackend(Backend):
         from . import consumer
         return consumer.window_logits(Path(path), tokens)
 
+    runtime_packages = {"transformers": ("transformers", "gptqmodel")}
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        from ...verify.sessions import PLAIN, TransformersSession, from_pretrained_plain
+        from . import consumer
+        fp32 = "AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)"
+        return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),
+                (fp32, lambda: TransformersSession(consumer.load(Path(path), torch.float32), fp32))]
+
 
 def _layer_params(model) -> int:
     return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))

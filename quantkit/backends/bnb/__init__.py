@@ -133,6 +133,13 @@ class BnbBackend(Backend):
         from . import consumer
         return consumer.window_logits(Path(path), tokens)
 
+    runtime_packages = {"transformers": ("transformers", "bitsandbytes")}
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        from ...verify.sessions import PLAIN, TransformersSession
+        from . import consumer
+        return [(PLAIN, lambda: TransformersSession(consumer.load(Path(path)), PLAIN))]
+
 
 def _time_estimate(model, v: bnb_spec.BnbVariant, device: torch.device) -> float:
     """Encode a 1M-weight slab here, scaled by the model's converted weights, plus reading the source once."""

@@ -156,6 +156,13 @@ class GGUFBackend(Backend):
         from . import llamacpp
         return llamacpp.window_logits(Path(path), tokens, kv_cache=kv_cache)
 
+    runtime_packages = {"llama.cpp": ("llama_cpp",)}
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        from ...verify.sessions import LlamaCppSession
+        how = "llama_cpp.Llama(file) with llama.cpp's defaults"
+        return [(how, lambda: LlamaCppSession(Path(path), ctx, how))]
+
 
 def _refuse_impossible_overrides(tensors, overrides) -> None:
     """llama-quantize silently swaps an override that does not fit a tensor's rows for a fallback type;

@@ -131,6 +131,15 @@ class GPTQBackend(Backend):
         from . import consumer
         return consumer.window_logits(Path(path), tokens)
 
+    runtime_packages = {"transformers": ("transformers", "gptqmodel")}
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        from ...verify.sessions import PLAIN, TransformersSession, from_pretrained_plain
+        from . import consumer
+        torch_way = "GPTQConfig(backend=\"torch\") in float32"
+        return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),
+                (torch_way, lambda: TransformersSession(consumer.load(Path(path), "torch", torch.float32), torch_way))]
+
 
 def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> str:
     cfg = model.config
