@@ -113,12 +113,13 @@ def verify(artifact, *, base: str | None = None, runtimes: list[str] | None = No
 
 def push(artifacts, repo: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
          message: str | None = None, token: str | None = None, card: bool = True, base_model: str | None = None,
-         license: str | None = None, progress: Progress = null_progress):
+         license: str | None = None, no_verify: bool = False, progress: Progress = null_progress):
     """Upload finished artifacts to the Hub repo `repo` as one commit, with its model card regenerated
-    (quantkit.publish.push)."""
+    (quantkit.publish.push); an artifact whose recorded verify failed is refused unless `no_verify`."""
     from .publish import push as _push
     return _push(artifacts, repo, revision=revision, private=private, create_pr=create_pr, message=message,
-                 token=token, card=card, base_model=base_model, license=license, progress=progress)
+                 token=token, card=card, base_model=base_model, license=license, no_verify=no_verify,
+                 progress=progress)
 
 
 def card(artifacts, repo: str, out: str | Path, *, base_model: str | None = None,

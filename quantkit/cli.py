@@ -266,6 +266,7 @@ def push(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and 
          card: bool = typer.Option(True, "--card/--no-card", help="Regenerate the repo's README.md model card (and its plot)."),
          base_model: Optional[str] = typer.Option(None, "--base-model", help="The original's Hub id, for the card (default: from the artifacts' records)."),
          license: Optional[str] = typer.Option(None, "--license", help="License id for the card (e.g. apache-2.0; default: the demo's, else none)."),
+         no_verify: bool = typer.Option(False, "--no-verify", help="Push even an artifact whose recorded `quantkit verify` failed."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Upload artifacts to a Hub repo as one commit; files the repo already has are not sent again."""
     from . import api
@@ -273,7 +274,7 @@ def push(artifacts: List[Path] = typer.Argument(..., help="Artifact folders and 
     with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
         result = api.push(artifacts, repo, revision=revision, private=private, create_pr=create_pr,
                           message=message, token=token, card=card, base_model=base_model, license=license,
-                          progress=progress)
+                          no_verify=no_verify, progress=progress)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return

@@ -218,3 +218,16 @@ def test_a_gguf_above_the_file_limit_is_pushed_split(artifacts, hub_env, monkeyp
     parts = sorted((gguf_file.parent / (gguf_file.stem + ".split")).glob("*.gguf"))
     assert len(parts) > 1 and sorted(result.uploaded) == [p.name for p in parts]
     assert gguf_file.name not in hub_env.files(REPO)
+
+
+def test_an_artifact_whose_verify_failed_is_refused_unless_no_verify(artifacts, hub_env, tmp_path):
+    from quantkit.publish.record import write_verify
+    folder = tmp_path / artifacts[0].name
+    shutil.copytree(artifacts[0], folder)
+    write_verify(folder, {"passed": False, "date": "2026-12-02", "integrity": {"verdict": "pass"},
+                          "runtimes": [{"runtime": "transformers", "verdict": "fail", "why": "top-1 agreement 0.41 < 0.98"}]})
+    with pytest.raises(UsageError, match="quantkit verify failed .*top-1 agreement 0.41.*--no-verify"):
+        api.push([folder], REPO, token=WRITE)
+    assert REPO not in hub_env.repos or hub_env.history(REPO) == ["initial commit"]
+    result = api.push([folder], REPO, token=WRITE, no_verify=True)
+    assert result.commit

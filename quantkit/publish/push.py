@@ -44,11 +44,14 @@ class PushResult:
 
 def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None, private: bool = False,
          create_pr: bool = False, message: str | None = None, token: str | None = None, card: bool = True,
-         base_model: str | None = None, license: str | None = None,
+         base_model: str | None = None, license: str | None = None, no_verify: bool = False,
          progress: Progress = null_progress) -> PushResult:
     """With `card`, the repo's README.md (and its plot) is regenerated with a row per artifact, keeping the
-    rows of artifacts pushed before (card.py)."""
+    rows of artifacts pushed before (card.py).  An artifact whose recorded `quantkit verify` failed is refused
+    unless `no_verify`."""
     from huggingface_hub import CommitOperationAdd
+    if not no_verify:
+        refuse_failed_verify([Path(a) for a in artifacts])
     paths = [_within_file_limit(Path(a)) for a in artifacts]
     files = artifact_files(paths)
     hub = Hub(repo, token)
@@ -82,6 +85,19 @@ def push(artifacts: list[str | Path], repo: str, *, revision: str | None = None,
     result.commit, result.pr_url = _commit(hub, ops, summary, branch, parent, create_pr, additions)
     result.uploaded = changed
     return result
+
+
+def refuse_failed_verify(artifacts: list[Path]) -> None:
+    from ..errors import UsageError
+    from .record import read_record
+    for a in artifacts:
+        report = read_record(a).get("verify") if a.exists() else None
+        if report and not report.get("passed", True):
+            why = [report["integrity"].get("why")] if report["integrity"].get("verdict") == "fail" else []
+            why += [f"{r['runtime']}: {r['why']}" for r in report.get("runtimes", []) if r.get("verdict") == "fail"]
+            raise UsageError(f"{a.name}: quantkit verify failed on {report.get('date', '?')} "
+                             f"({'; '.join(w for w in why if w)[:300]}); fix it and verify again, or push anyway "
+                             f"with --no-verify")
 
 
 # the Hub takes files up to 50 GB; a larger GGUF file is pushed as llama.cpp's split layout, as
