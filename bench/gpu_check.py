@@ -113,9 +113,7 @@ def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
     from quantkit.backends.gptq.reader import GPTQCheckpoint
     from quantkit.eval.harness import window_logits
     result: dict = {}
-    calib = out_dir / "calib.txt"
-    calib.write_text(text.read_text() * 40)
-    options = {"calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0}
+    options = _calib_options(text, out_dir)
     variants = ["gptq:4bit-g128", "gptq:4bit-g128-act"]
     base = Checkpoint(src)
     folders = {}
@@ -140,14 +138,19 @@ def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
     return result
 
 
+def _calib_options(text: Path, out_dir: Path) -> dict:
+    """The calibration every calibrated check draws: the check text repeated, 32 windows of 128 tokens."""
+    calib = out_dir / "calib.txt"
+    calib.write_text(text.read_text() * 40)
+    return {"calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0}
+
+
 def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, reader, tokens: torch.Tensor, cuda: bool):
     """One calibrated artifact made on the fastest device here: its folder, the time, quantkit's top-1 ids."""
     from quantkit.eval.harness import window_logits
-    calib = out_dir / "calib.txt"
-    calib.write_text(text.read_text() * 40)
     dev = "cuda" if cuda else "cpu"
     ((folder,), secs) = timed(lambda: api.convert(str(src), [fmt], out_dir / f"{fmt.split(':')[0]}-{dev}", options={
-        "calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0, "device": dev}), cuda)
+        **_calib_options(text, out_dir), "device": dev}), cuda)
     ours = [w.argmax(-1) for w in window_logits(reader(folder), tokens)]
     return folder, {"device": dev, "seconds": round(secs, 2)}, ours
 

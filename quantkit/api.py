@@ -248,9 +248,9 @@ def _convert_calibrated(model, items, settings: dict, collectors: list, options:
         jobs = []
         try:
             for backend, variant, plan in items:
-                resume = None if checkpoint is None else point is not None
                 folder = stack.enter_context(atomic_folder(
-                    Path(plan.output), resume=resume, keep_on_interrupt=lambda: checkpoint.saved is not None))
+                    Path(plan.output), resume=None if checkpoint is None else point is not None,
+                    keep_on_interrupt=lambda: checkpoint.saved is not None))
                 jobs.append(backend.make_job(model, variant, plan, folder, settings[backend.name], calibration))
             capture_jobs = [j for j in jobs if j.needs_calibration] + collectors
             if point is not None:
