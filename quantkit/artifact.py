@@ -53,6 +53,11 @@ def _umask() -> int:
 def _os_error_message(path: Path, e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return f"{path}: the disk is full (no space left while writing); free space or choose another -o folder"
+    if e.errno == errno.EDQUOT:
+        return f"{path}: the disk quota is used up while writing; free space or choose another -o folder"
+    if e.errno == errno.EFBIG:
+        return (f"{path}: a file grew past the file-size limit (ulimit -f) or what the file system allows; raise "
+                f"the limit or choose another -o folder")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{path}: not writable ({e.strerror})"
     return f"{path}: write failed ({e.strerror or e})"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .errors import INTERRUPTS, QuantkitError, Terminated, UsageError
+from .errors import INTERRUPTS, Interrupted, QuantkitError, Terminated, UsageError
 
 HELP = """Quantize a Hugging Face causal LM for every major runtime, check it, publish it.
 
@@ -437,7 +438,7 @@ def _render_plan(p) -> None:
 
 
 def _terminate(signum, frame) -> None:
-    raise Terminated()
+    raise Terminated() if signum == signal.SIGTERM else Interrupted()
 
 
 def run() -> None:
@@ -445,13 +446,13 @@ def run() -> None:
     run, say) a line each; Ctrl-C and SIGTERM unwind the run (no artifact is left half-written) and exit
     130 / 143."""
     import logging
-    import signal
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("quantkit")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     try:
         app()
     except QuantkitError as e:

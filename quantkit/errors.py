@@ -62,7 +62,12 @@ class Terminated(BaseException):
     KeyboardInterrupt, so that no `except Exception` swallows it."""
 
 
-INTERRUPTS = (KeyboardInterrupt, Terminated)
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) as the console script raises it (exit 130): not a KeyboardInterrupt, which typer turns into
+    a silent exit before the run can say what it left behind."""
+
+
+INTERRUPTS = (KeyboardInterrupt, Terminated, Interrupted)
 
 
 def is_network_failure(e: BaseException) -> bool:
@@ -72,3 +77,8 @@ def is_network_failure(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
     return bool(names & {"TimeoutException", "NetworkError", "RemoteProtocolError", "TransportError",
                          "ConnectionError", "TimeoutError"})
+
+
+class ResourceError(QuantkitError):
+    """The machine cannot hold the job: too little free disk, RAM or GPU memory for what the plan needs."""
+    exit_code = 10

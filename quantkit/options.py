@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .calibration.spec import CalibrationSpec
+from .calibration.spec import CalibrationSpec, calibration_size
 
 SHARED_KEYS = ("device", "calib", "calib_samples", "calib_seqlen", "seed", "calib_column", "max_shard_bytes",
                "estimate_time")
@@ -26,8 +26,7 @@ class RunOptions:
     def from_dict(cls, options: dict) -> "RunOptions":
         o = options or {}
         return cls(device=o.get("device"), calib=str(o["calib"]) if o.get("calib") else None,
-                   calib_samples=int(o.get("calib_samples") or CalibrationSpec.samples),
-                   calib_seqlen=int(o.get("calib_seqlen") or CalibrationSpec.seqlen),
+                   calib_samples=calibration_size(o)[0], calib_seqlen=calibration_size(o)[1],
                    seed=int(o.get("seed") or 0), calib_column=o.get("calib_column"),
                    max_shard_bytes=int(o.get("max_shard_bytes") or 4 << 30),
                    estimate_time=bool(o.get("estimate_time")))

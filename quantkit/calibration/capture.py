@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import QuantizationError
 from ..model.block import Block
 from ..model.engine import Runtime, embed, run_residual
 from ..progress import Progress, null_progress
@@ -71,6 +72,13 @@ def quantize_layer(ctx: LayerContext, job: LayerJob) -> None:
             h[sl] = (hs + run_residual(sub, hs, w, rt).float()).to(h.device)
 
 
+def _refuse_non_finite(model, i: int, source: dict[str, torch.Tensor]) -> None:
+    """A NaN or inf weight would poison every statistic after it: name the tensor before any work is done."""
+    for name, t in source.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise QuantizationError(f"{model.adapter.prefix(i)}{name}: contains NaN or infinite values; cannot quantize")
+
+
 def batch_for(seqlen: int, tokens_per_batch: int = 4096) -> int:
     return max(1, tokens_per_batch // seqlen)
 
@@ -113,6 +121,7 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
             task.advance(start)
             for i in range(start, model.num_layers):
                 source, block = model.layer(i), model.block(i)
+                _refuse_non_finite(model, i, source)
                 for job, h in zip(active, streams):
                     ctx = LayerContext(i, block, source, weights=working_weights(block, source, device, compute_dtype),
                                        stream=h, runtime=rt, batch=batch, pass_index=index)

@@ -133,8 +133,10 @@ def _parse_hf(text: str) -> CalibrationSource:
 
 def calibration_size(options: dict) -> tuple[int, int]:
     """(samples, seqlen) from convert options, with CalibrationSpec's defaults where they are not given."""
-    return (int(options.get("calib_samples") or CalibrationSpec.samples),
-            int(options.get("calib_seqlen") or CalibrationSpec.seqlen))
+    def given(key: str, default: int) -> int:   # 0 is a value (refused where windows are drawn), not "unset"
+        value = options.get(key)
+        return default if value is None else int(value)
+    return given("calib_samples", CalibrationSpec.samples), given("calib_seqlen", CalibrationSpec.seqlen)
 
 
 @dataclass

@@ -166,6 +166,51 @@ class Block:
     def tensor_names(self) -> list[str]:
         return [n for r in self.residuals for n in r.tensors()]
 
+    def expected_shapes(self, hidden: int) -> dict[str, tuple[int | str, ...]]:
+        """Each tensor's shape as the description implies it; a str is a width the config does not fix (an
+        MLP's intermediate size) that must be the same wherever it appears."""
+        want: dict[str, tuple[int | str, ...]] = {}
+
+        def mlp(m: GatedMLP) -> None:
+            width = f"intermediate size of {m.up}"
+            want.update({f"{m.gate}.weight": (width, hidden), f"{m.up}.weight": (width, hidden),
+                         f"{m.down}.weight": (hidden, width)})
+        for r in self.residuals:
+            for norm in (r.norm, r.post_norm):
+                if norm is not None:
+                    want[f"{norm.weight}.weight"] = (hidden,)
+            op = r.op
+            if isinstance(op, Attention):
+                q, kv = op.num_heads * op.head_dim, op.num_kv_heads * op.head_dim
+                want.update({f"{op.q}.weight": (q, hidden), f"{op.k}.weight": (kv, hidden),
+                             f"{op.v}.weight": (kv, hidden), f"{op.o}.weight": (hidden, q),
+                             f"{op.q}.bias": (q,), f"{op.k}.bias": (kv,), f"{op.v}.bias": (kv,), f"{op.o}.bias": (hidden,)})
+                for norm in (op.q_norm, op.k_norm):
+                    if norm is not None:
+                        want[f"{norm.weight}.weight"] = (op.head_dim,)
+            elif isinstance(op, GatedMLP):
+                mlp(op)
+            else:
+                want[f"{op.router}.weight"] = (len(op.experts), hidden)
+                for e in op._all:
+                    mlp(e)
+                if op.shared_gate:
+                    want[f"{op.shared_gate}.weight"] = (1, hidden)
+        return want
+
+    def shape_problem(self, shapes: dict[str, tuple[int, ...]], hidden: int) -> str | None:
+        """The first tensor (name -> shape) whose shape contradicts the description (and so the config), in words."""
+        widths: dict[str, int] = {}
+        for name, shape in self.expected_shapes(hidden).items():
+            got = shapes.get(name)
+            if got is None:
+                continue
+            got = tuple(got)
+            fixed = tuple(widths.setdefault(d, g) if isinstance(d, str) else d for d, g in zip(shape, got))
+            if len(got) != len(shape) or got != fixed:
+                return f"{name} has shape {list(got)} where the config implies {list(fixed) if len(got) == len(shape) else list(shape)}"
+        return None
+
     def residual_of(self, group: InputGroup) -> Residual:
         for r in self.residuals:
             if any(group in stage for stage in r.stages):

@@ -76,6 +76,10 @@ class Described:
                 out[n] = stored[name][a:b]
             else:
                 out[n] = get(n)
+        problem = self.block(i).shape_problem({k: v.shape for k, v in out.items()}, self.config.hidden_size)
+        if problem:
+            raise SourceError(f"{getattr(self, 'folder', None) or getattr(self, 'path', self.name)}: layer {i}: "
+                              f"{problem}; the weights and the configuration disagree")
         return out
 
 
@@ -162,6 +166,15 @@ class Checkpoint(ModelFolder):
         if missing:
             raise SourceError(f"{self.folder}: weights do not match the {self.adapter.family} layout "
                               f"(missing {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''})")
+        for i in range(self.num_layers):   # from the headers alone: a wrong shape is refused before any work
+            prefix, shapes = self.adapter.prefix(i), {}
+            for n in self.block(i).tensor_names():
+                stored, a, b = self.fused_parts.get(n, (n, None, None))
+                shape = self.weights.entries[prefix + stored].shape
+                shapes[n] = shape if a is None else (b - a, *shape[1:])
+            problem = self.block(i).shape_problem(shapes, self.config.hidden_size)
+            if problem:
+                raise SourceError(f"{self.folder}: {prefix}{problem}; the weights and config.json disagree")
         for e in self.weights.entries.values():
             if e.dtype not in ("F32", "F16", "BF16"):
                 raise SourceError(f"{self.folder}: tensor {e.name} is {e.dtype}; quantkit reads bf16/fp16/fp32 "

@@ -81,6 +81,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
                 f"{path}: corrupt safetensors file (tensor {name!r} needs {expected} bytes at "
                 f"[{begin}, {end}) but the file holds {size - data_start} bytes of data)")
         entries[name] = entry
+    spans = sorted((e.start, e.start + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise SourceError(f"{path}: corrupt safetensors header (the data of tensors {a!r} and {b!r} overlap)")
     return entries, metadata
 
 

@@ -140,6 +140,8 @@ class GGUFBackend(Backend):
     def can_read(self, path: Path) -> bool:
         if not Path(path).is_file():
             return False
+        if Path(path).suffix.lower() == ".gguf":   # a corrupt one is refused by the reader, naming what is wrong
+            return True
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
 

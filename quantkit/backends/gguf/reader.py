@@ -23,9 +23,20 @@ _KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_leng
          "expert_shared_feed_forward_length")
 
 
+class BoundedReader(gguf.GGUFReader):
+    """gguf-py's reader with every read checked against the end of the file.  Its own reads past the end come
+    back empty instead of failing, so a corrupt array length (2^60 elements) loops for ever over nothing."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        end = int(offset) + int(np.empty([], dtype=dtype).itemsize) * int(count)
+        if end > len(self.data):
+            raise ValueError(f"a read at byte {int(offset)} runs past the end of the file ({len(self.data)} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
+
 def open_reader(path: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(str(path))
+        return BoundedReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise SourceError(f"{path}: not a readable GGUF file ({e})".splitlines()[0]) from None
 
@@ -45,7 +56,11 @@ def field_value(reader: gguf.GGUFReader, key: str):
         if f.types[-1] == gguf.GGUFValueType.STRING:
             return f"[{len(f.data)} strings]"
         return f"[{len(f.data)} values]"
-    return f.contents()
+    try:
+        return f.contents()
+    except (UnicodeDecodeError, ValueError, IndexError):
+        where = getattr(reader.data, "filename", None) or "the GGUF file"
+        raise SourceError(f"{where}: metadata {key} is unreadable; the file is corrupt") from None
 
 
 # the transformers model_type of a GGUF architecture where the names differ (llama with experts: mixtral)
@@ -126,8 +141,18 @@ class GGUFModel(Described):
         if kv["embedding_length"] is None or kv["block_count"] is None:
             raise SourceError(f"{path}: missing {arch} hyper-parameters")
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
+        layers = {int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        if kv["block_count"] != len(layers) or layers != set(range(len(layers))):
+            raise SourceError(f"{path}: the file says {kv['block_count']} layers and holds tensors of {len(layers)}; "
+                              f"the file is corrupt")
+        missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in self.tensors]
+        if missing:
+            raise SourceError(f"{path}: tensor {missing[0]} is missing; the file is corrupt or not a language model")
         n_vocab = int(self.tensors["token_embd.weight"].shape[1])
         heads = kv["attention.head_count"]
+        if not isinstance(heads, int) or heads <= 0 or int(self.tensors["token_embd.weight"].shape[0]) != kv["embedding_length"]:
+            raise SourceError(f"{path}: the hyper-parameters (width {kv['embedding_length']}, {heads} heads) do not fit "
+                              f"the embedding's shape {list(map(int, self.tensors['token_embd.weight'].shape))}; the file is corrupt")
         raw = {"model_type": model_type, "hidden_size": kv["embedding_length"], "num_hidden_layers": kv["block_count"],
                "num_attention_heads": heads, "num_key_value_heads": kv["attention.head_count_kv"] or heads,
                "head_dim": kv["attention.key_length"] or kv["embedding_length"] // heads,
@@ -170,11 +195,12 @@ class GGUFModel(Described):
         shift = NORM_SHIFT.get(self.adapter.gguf_arch, 0.0)
         if shift and hf_name.endswith("norm.weight"):
             w = w - shift
-        if self.adapter.gguf_permute_qk:
-            if ".q_proj." in hf_name:
-                w = unpermute_qk(w, self.config.num_heads)
-            elif ".k_proj." in hf_name:
-                w = unpermute_qk(w, self.config.num_kv_heads)
+        if self.adapter.gguf_permute_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = self.config.num_heads if ".q_proj." in hf_name else self.config.num_kv_heads
+            if w.shape[0] != heads * self.config.head_dim:   # the un-permutation below reshapes by the head count
+                raise SourceError(f"{self.path}: {gname} has {w.shape[0]} rows where the file's head count and "
+                                  f"size imply {heads * self.config.head_dim}; the file is corrupt")
+            w = unpermute_qk(w, heads)
         return w
 
     def _act(self, gguf_name: str):

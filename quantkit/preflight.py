@@ -1,0 +1,139 @@
+"""What a run will take, said before it starts, and a refusal up front when the machine cannot hold it.
+
+Each format's plan carries a `Resources` estimate of its own job.  A run combines them the way the run goes:
+the calibrated formats share one calibration pass (the pass's working set and forwards once, each artifact's
+own stream, statistics and work on top), the others run one after another once the pass is over.  The disk a
+run needs is every artifact's final bytes, which are written in place under `.partial-*` names, plus the crash-
+resume commit points beside them (two generations of every calibrated artifact's stream)."""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ResourceError
+
+GiB = 2**30
+# python + torch + transformers + quantkit imported, a tokenizer loaded: measured 0.3-0.45 GiB here (bench/results/
+# preflight.md); the estimates count the upper end once per run.
+RUNTIME_BYTES = 450 * 2**20
+
+
+@dataclass
+class Resources:
+    """One format job's estimate.  `shared_*` is what a calibrated job has in common with the run's other
+    calibrated jobs (the pass: one layer read and its working copy, one batch, the forwards); `own_*` is its
+    alone.  Uncalibrated jobs put everything in `own_*` and share nothing."""
+    own_ram: int = 0
+    shared_ram: int = 0
+    own_device: int = 0
+    shared_device: int = 0
+    own_seconds: float = 0.0
+    shared_seconds: float = 0.0
+    final_disk: int = 0         # the artifact as written: tensors, headers, tokenizer, configs, record
+    scratch_disk: int = 0       # beside it while the run goes: commit points for crash resume
+    calibrated: bool = False
+    parts: dict[str, int] = field(default_factory=dict)    # what the RAM estimate is made of, for the plan
+
+
+@dataclass
+class RunEstimate:
+    peak_ram: int
+    peak_device: int
+    final_disk: int
+    scratch_disk: int
+    seconds: float
+    device: str
+
+    @property
+    def disk(self) -> int:
+        return self.final_disk + self.scratch_disk
+
+    def to_dict(self) -> dict:
+        return {"peak_ram_bytes": self.peak_ram, "peak_device_bytes": self.peak_device,
+                "disk_final_bytes": self.final_disk, "disk_temporary_bytes": self.scratch_disk,
+                "seconds": round(self.seconds, 1), "device": self.device}
+
+    def lines(self) -> list[str]:
+        gpu = f"{self.peak_device / GiB:.2f} GiB" if self.device.startswith("cuda") else "none (a CPU run)"
+        return [f"peak RAM {self.peak_ram / GiB:.2f} GiB, peak GPU memory {gpu}",
+                f"disk {self.disk / GiB:.2f} GiB ({self.final_disk / GiB:.2f} GiB final + "
+                f"{self.scratch_disk / GiB:.2f} GiB temporary)",
+                f"time about {self.seconds:.0f} s on {self.device}"]
+
+
+def combine(estimates: list[Resources], device: str) -> RunEstimate:
+    """The run's figures from its jobs' (see the module docstring)."""
+    calibrated = [r for r in estimates if r.calibrated]
+    others = [r for r in estimates if not r.calibrated]
+    pass_ram = (RUNTIME_BYTES + max((r.shared_ram for r in calibrated), default=0)
+                + sum(r.own_ram for r in calibrated)) if calibrated else 0
+    pass_device = (max((r.shared_device for r in calibrated), default=0)
+                   + sum(r.own_device for r in calibrated)) if calibrated else 0
+    peak_ram = max([pass_ram] + [RUNTIME_BYTES + r.own_ram for r in others])
+    peak_device = max([pass_device] + [r.own_device for r in others])
+    seconds = (max((r.shared_seconds for r in calibrated), default=0.0) + sum(r.own_seconds for r in calibrated)
+               + sum(r.own_seconds for r in others))
+    return RunEstimate(peak_ram, peak_device, sum(r.final_disk for r in estimates),
+                       sum(r.scratch_disk for r in estimates), seconds, device)
+
+
+def available_ram() -> int:
+    """What the kernel says a new allocation can have without swapping (MemAvailable), plus what this process
+    already holds (the estimate counts the whole process)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        avail = info["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail + _own_rss()
+
+
+def _own_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_disk(out: Path) -> int:
+    """Free bytes on the file system `out` is (or will be) on."""
+    p = Path(out).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def already_written(out: Path) -> int:
+    """Bytes of earlier runs' `.partial-*` folders in `out`: a resumed run does not need that space again."""
+    total = 0
+    for partial in Path(out).glob(".partial-*"):
+        for p in partial.rglob("*") if partial.is_dir() else [partial]:
+            if p.is_file():
+                total += p.stat().st_size
+    return total
+
+
+def check(run: RunEstimate, out: Path) -> None:
+    """Refuse (ResourceError, one line with the figures) a run the disk or the memory here cannot hold."""
+    need = run.disk - already_written(out) if Path(out).is_dir() else run.disk
+    free = free_disk(out)
+    if need > free:
+        raise ResourceError(f"{out}: the run needs {need / GiB:.2f} GiB of disk ({run.final_disk / GiB:.2f} GiB "
+                            f"final + {run.scratch_disk / GiB:.2f} GiB temporary) and {free / GiB:.2f} GiB is free; "
+                            f"free space, write elsewhere with -o, or --no-preflight to try anyway")
+    avail = available_ram()
+    if run.peak_ram > avail:
+        raise ResourceError(f"the run needs about {run.peak_ram / GiB:.2f} GiB of RAM at its peak and "
+                            f"{avail / GiB:.2f} GiB is available; fewer --calib-samples or a shorter --calib-seqlen "
+                            f"shrink it (one format per run too), or --no-preflight to try anyway")
+    if run.device.startswith("cuda"):
+        import torch
+        free_gpu, _ = torch.cuda.mem_get_info(torch.device(run.device))
+        if run.peak_device > free_gpu:
+            raise ResourceError(f"the run needs about {run.peak_device / GiB:.2f} GiB of GPU memory and "
+                                f"{free_gpu / GiB:.2f} GiB is free on {run.device}; --device cpu, fewer "
+                                f"--calib-samples, or --no-preflight to try anyway")
