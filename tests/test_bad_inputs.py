@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class World:
     text: Path
     gguf: Path
     out: Path
+    stack: ExitStack
 
     @property
     def weights(self) -> Path:
@@ -145,6 +147,13 @@ def _gguf_tensor_type(data):
 _world_gguf: dict = {}
 
 
+def _hub_with_tokens(w: World):
+    """The local Hub stand-in (tests/hub_standin.py), which knows one write token; the row pushes with another."""
+    from hub_standin import HubStandIn
+    hub = w.stack.enter_context(HubStandIn(tokens={"hf_writeTOKENabc123": "write"}))
+    return {"env": {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(w.tmp / "hf")}}
+
+
 def _readonly_folder(w: World):
     """A folder this process cannot write: chmod where that binds (not for root), else a read-only mount."""
     if os.geteuid() != 0:
@@ -250,6 +259,8 @@ ROWS = [
     # -- the Hub
     ("Hub id while offline", ["inspect", "acme/not-cached"], None, 5, "cannot reach the Hugging Face Hub"),
     ("push to an unreachable Hub", ["push", "{gguf}", "--repo", "org/x", "--token", "hf_x"], None, 5, "Hub"),
+    ("push with a bad token", ["push", "{gguf}", "--repo", "org/x", "--token", "hf_wrongTOKEN000"], _hub_with_tokens,
+     5, "401"),
     ("verify of a file that is no artifact", ["verify", "{bad}"], lambda w: {"bad": w.file("x.bin", "hello")}, 2,
      "x.bin"),
 ]
@@ -271,10 +282,10 @@ def good(tmp_path_factory):
     return model, text, Path(gguf)
 
 
-def invoke(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+def invoke(args: list[str], monkeypatch, capsys, env: dict | None = None) -> tuple[int, str]:
     """The console script's entry point, in this process: (exit code, stderr).  An exception that escapes it is
     a traceback the user would see, and fails the row."""
-    for k, v in ENV.items():
+    for k, v in {**ENV, **(env or {})}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(sys, "argv", ["quantkit", *args])
     capsys.readouterr()
@@ -299,17 +310,20 @@ def leftovers(out: Path) -> list[str]:
 def test_bad_input(row, good, tmp_path, monkeypatch, capsys):
     name, args, setup, code, fragment = row
     model, text, gguf = good
-    w = World(tmp_path, tmp_path / "model", text, gguf, tmp_path / "out")
-    shutil.copytree(model, w.model)
-    subs = {"model": str(w.model), "out": str(w.out), "text": str(text), "gguf": str(gguf), "tmp": str(tmp_path)}
-    extra = setup(w) if setup else None
-    if isinstance(extra, dict):
-        subs.update({k: str(v) for k, v in extra.items()})
-    got, err = invoke([a.format(**subs) for a in args], monkeypatch, capsys)
+    with ExitStack() as stack:
+        w = World(tmp_path, tmp_path / "model", text, gguf, tmp_path / "out", stack)
+        shutil.copytree(model, w.model)
+        subs = {"model": str(w.model), "out": str(w.out), "text": str(text), "gguf": str(gguf), "tmp": str(tmp_path)}
+        extra = (setup(w) if setup else None) or {}
+        env = extra.pop("env", None) if isinstance(extra, dict) else None
+        if isinstance(extra, dict):
+            subs.update({k: str(v) for k, v in extra.items()})
+        got, err = invoke([a.format(**subs) for a in args], monkeypatch, capsys, env)
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert got == code, (got, err)
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert fragment in lines[0], lines[0]
+    assert not [a for a in args if a.startswith("hf_") and a in err], "a token is shown"
     assert leftovers(w.out) == []
 
 
