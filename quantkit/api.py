@@ -14,6 +14,7 @@ from .errors import INTERRUPTS, OutputError, UsageError
 from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
 from .model.checkpoint import Checkpoint
 from .model.source import open_model
+from .preflight import Resources, RunEstimate, check as check_resources, combine, note_startup
 from .progress import Progress, null_progress
 
 log = logging.getLogger("quantkit")
@@ -161,11 +162,19 @@ def check_repo_id(repo: str) -> None:
 
 
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
+    note_startup()
     parsed = _parse_formats(formats)
     options = {**(options or {}), "estimate_time": True}
     settings = _settings(parsed, options)
     model = open_model(spec)
     return [b.plan(model, v, Path(out), settings[b.name]) for b, _, v in parsed]
+
+
+def estimate(plans: list[Plan], options: dict | None = None) -> RunEstimate:
+    """What the run of these plans takes at its peak: RAM, GPU memory, disk (final + temporary), time."""
+    options = options or {}
+    return combine([p.resources or Resources() for p in plans], str(resolve_device(options.get("device"))),
+                   resume=options.get("resume", True) is not False)
 
 
 def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | None = None,
@@ -177,6 +186,8 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     settings = _settings(parsed, options)
     model = open_model(spec)
     plans = [backend.plan(model, variant, Path(out), settings[backend.name]) for backend, _, variant in parsed]
+    if options.get("preflight", True):
+        check_resources(estimate(plans, options), Path(out))
     groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
     for (backend, _, variant), plan_ in zip(parsed, plans):
         groups.setdefault(backend.name, (backend, []))[1].append((variant, plan_))
@@ -335,7 +346,7 @@ def _run_checkpoint(model, items, collectors, options, calibration, outputs, out
 
 
 # options that change nothing in the artifacts' bytes: a rerun with other values still resumes
-_NOT_IN_MANIFEST = {"resume", "estimate_time", "push_to_hub", "token"}
+_NOT_IN_MANIFEST = {"resume", "estimate_time", "push_to_hub", "token", "preflight"}
 
 
 def _parse_formats(formats: list[str]):

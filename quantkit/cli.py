@@ -210,6 +210,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             split_max_size: Optional[str] = typer.Option(None, "--split-max-size", help="GGUF: write llama.cpp's split layout (NAME-00001-of-0000N.gguf), parts of at most this much tensor data (e.g. 48G; decimal units, as llama-gguf-split)."),
             max_shard_size: float = typer.Option(4.0, "--max-shard-size", help="Largest safetensors shard, GiB."),
             device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:N]."),
+            preflight: bool = typer.Option(True, "--preflight/--no-preflight", help="Refuse up front a run the free disk or memory here cannot hold, by the plan's estimate (default); --no-preflight tries anyway."),
             resume: bool = typer.Option(True, "--resume/--no-resume", help="Calibrated runs: keep a commit point after every layer, and go on from a killed run's last one when the inputs are the same (default); --no-resume starts afresh and keeps none."),
             push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="ORG/NAME: push the artifacts when written, as one commit (see `quantkit push`)."),
             token: Optional[str] = typer.Option(None, "--token", help="Hub token for --push-to-hub (default: HF_TOKEN or the huggingface_hub login)."),
@@ -220,7 +221,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
     if max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive (GiB)")
     options = {"tensor_type": tensor_type, "pure": pure, "device": device, "tokenizer_pre": tokenizer_pre,
-               "resume": resume,
+               "resume": resume, "preflight": preflight,
                "calib": calib, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen, "seed": seed,
                "calib_column": calib_column, "imatrix": imatrix, "act_order": act_order, "static_groups": static_groups, "sym": sym,
                "group_aware": group_aware,
@@ -232,11 +233,17 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
                "max_shard_bytes": int(max_shard_size * 2**30)}
     if dry_run:
         plans = api.plan(model, fmt, output, options)
+        run = api.estimate(plans, options)
+        room = preflight_room(run, output)
         if as_json:
-            print(json.dumps([_plan_dict(p) for p in plans], indent=2))
+            print(json.dumps({"plans": [_plan_dict(p) for p in plans], "run": {**run.to_dict(), **room}}, indent=2))
             return
         for p in plans:
             _render_plan(p)
+        out.print(f"[bold]the run[/]: " + "; ".join(run.lines()), highlight=False)
+        out.print(f"  here: {room['disk_free_bytes'] / 2**30:.2f} GiB free disk at {output}, "
+                  f"{room['ram_available_bytes'] / 2**30:.2f} GiB RAM available"
+                  + (f"; [red]refused[/]: {room['refused']}" if room["refused"] else "; it fits"), highlight=False)
         return
     if push_to_hub:
         api.check_repo_id(push_to_hub)   # a bad repo id is refused before hours of work, not after
@@ -417,6 +424,17 @@ def _render_push(r) -> None:
     where = f"pull request {r.pr_url}" if r.pr_url else f"{r.repo}@{r.revision}"
     out.print(f"pushed {len(r.uploaded)} files to {where}: commit {r.commit[:12]}"
               + (f" ({len(r.unchanged)} unchanged, not sent)" if r.unchanged else ""), highlight=False)
+
+
+def preflight_room(run, output: Path) -> dict:
+    """What this machine has for the run, and the refusal a real run would meet (None when it fits)."""
+    from .preflight import available_ram, check, free_disk
+    try:
+        check(run, output)
+        refused = None
+    except QuantkitError as e:
+        refused = e.message
+    return {"disk_free_bytes": free_disk(output), "ram_available_bytes": available_ram(), "refused": refused}
 
 
 def _plan_dict(p) -> dict:

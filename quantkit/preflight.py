@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ResourceError
 
 GiB = 2**30
-# python + torch + transformers + quantkit imported, a tokenizer loaded: measured 0.3-0.45 GiB here (bench/results/
-# preflight.md); the estimates count the upper end once per run.
+# python + torch + transformers + quantkit imported, a tokenizer loaded: 0.3-0.45 GiB here (bench/results/
+# preflight.md).  The per-format texts of the plan count the upper end; the run's figure counts what this process
+# holds when it plans (measured) plus what a calibrated run loads beside it (the tokenizer, the calibration text
+# and its tokens).
 RUNTIME_BYTES = 450 * 2**20
+CALIBRATION_LOAD_BYTES = 160 * 2**20
 
 
 @dataclass
@@ -27,14 +30,45 @@ class Resources:
     alone.  Uncalibrated jobs put everything in `own_*` and share nothing."""
     own_ram: int = 0
     shared_ram: int = 0
-    own_device: int = 0
-    shared_device: int = 0
     own_seconds: float = 0.0
     shared_seconds: float = 0.0
     final_disk: int = 0         # the artifact as written: tensors, headers, tokenizer, configs, record
     scratch_disk: int = 0       # beside it while the run goes: commit points for crash resume
-    calibrated: bool = False
-    parts: dict[str, int] = field(default_factory=dict)    # what the RAM estimate is made of, for the plan
+    stream: int = 0             # a calibrated job's hidden states: what a commit point copies and writes
+    calibrated: bool = False    # in the calibration pass (with the other calibrated jobs) or after it, alone
+    on_device: bool = False     # a CUDA run: the working set (shared + own) is on the GPU as well
+
+
+_startup = {"seconds": 0.0}
+
+
+def note_startup() -> None:
+    """Record how long this process took to get here (interpreter, torch, transformers, quantkit imported): a run
+    pays it too, and it is measured rather than guessed (tens of seconds on a busy 2-core machine)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        _startup["seconds"] = max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        _startup["seconds"] = 0.0
+
+
+def stream_bytes(model, samples: int, seqlen: int) -> int:
+    """One job's residual stream in the pass: samples × seqlen × hidden float32."""
+    return samples * seqlen * model.config.hidden_size * 4
+
+
+# a safetensors header entry (name, dtype, shape, offsets as JSON), config files, the record, the card
+_HEADER_PER_TENSOR, _FOLDER_FILES = 120, 64 * 1024
+
+
+def folder_disk(model, plan) -> int:
+    """An HF-folder artifact's bytes: its tensors, their headers, and the tokenizer files copied from the source."""
+    from .backends.hf_folder import COPIED_FILES
+    side = sum((model.folder / n).stat().st_size for n in COPIED_FILES if (model.folder / n).is_file())
+    return plan.total_bytes + len(plan.rows) * _HEADER_PER_TENSOR * 3 + side + _FOLDER_FILES
 
 
 @dataclass
@@ -63,20 +97,24 @@ class RunEstimate:
                 f"time about {self.seconds:.0f} s on {self.device}"]
 
 
-def combine(estimates: list[Resources], device: str) -> RunEstimate:
-    """The run's figures from its jobs' (see the module docstring)."""
+def combine(estimates: list[Resources], device: str, resume: bool = True) -> RunEstimate:
+    """The run's figures from its jobs' (see the module docstring).  With `resume`, every commit point copies
+    each calibrated stream (RAM, while it is written) and keeps two generations of them on disk."""
     calibrated = [r for r in estimates if r.calibrated]
     others = [r for r in estimates if not r.calibrated]
-    pass_ram = (RUNTIME_BYTES + max((r.shared_ram for r in calibrated), default=0)
-                + sum(r.own_ram for r in calibrated)) if calibrated else 0
-    pass_device = (max((r.shared_device for r in calibrated), default=0)
-                   + sum(r.own_device for r in calibrated)) if calibrated else 0
-    peak_ram = max([pass_ram] + [RUNTIME_BYTES + r.own_ram for r in others])
-    peak_device = max([pass_device] + [r.own_device for r in others])
-    seconds = (max((r.shared_seconds for r in calibrated), default=0.0) + sum(r.own_seconds for r in calibrated)
-               + sum(r.own_seconds for r in others))
+    copies = sum(r.stream for r in calibrated) if resume else 0
+    runtime = max(_own_rss(), 200 * 2**20)
+    pass_ram = (runtime + CALIBRATION_LOAD_BYTES + max((r.shared_ram for r in calibrated), default=0)
+                + sum(r.own_ram for r in calibrated) + copies) if calibrated else 0
+    peak_ram = max([pass_ram] + [runtime + r.own_ram for r in others])
+    on_gpu = [r for r in estimates if r.on_device]
+    pass_device = max((r.shared_ram for r in on_gpu if r.calibrated), default=0) + \
+        sum(r.own_ram for r in on_gpu if r.calibrated)
+    peak_device = max([pass_device] + [r.own_ram for r in on_gpu if not r.calibrated])
+    seconds = (_startup["seconds"] + max((r.shared_seconds for r in calibrated), default=0.0)
+               + sum(r.own_seconds for r in calibrated) + sum(r.own_seconds for r in others))
     return RunEstimate(peak_ram, peak_device, sum(r.final_disk for r in estimates),
-                       sum(r.scratch_disk for r in estimates), seconds, device)
+                       sum(r.scratch_disk for r in estimates) + 2 * copies, seconds, device)
 
 
 def available_ram() -> int:

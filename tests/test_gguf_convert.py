@@ -155,7 +155,7 @@ def test_dry_run_writes_nothing_and_reports_bpw(tiny_gguf_source, tmp_path):
     proc = run_cli("convert", str(tiny_gguf_source), "-f", "gguf:Q4_K_M", "-o", str(out), "--dry-run", "--json",
                    "--tokenizer-pre", "gpt-2")
     assert proc.returncode == 0, proc.stderr
-    (plan,) = json.loads(proc.stdout)
+    (plan,) = json.loads(proc.stdout)["plans"]
     assert not out.exists()
     weights = sum(math.prod(t["shape"]) for t in plan["tensors"])
     assert plan["bits_per_weight"] == pytest.approx(8 * plan["bytes"] / weights)

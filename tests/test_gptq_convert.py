@@ -104,7 +104,7 @@ def test_cli_dry_run_writes_nothing(tiny_gguf_source, tmp_path):
     r = run_cli("convert", str(tiny_gguf_source), "-f", "gptq:4bit-g128-act", "-o", str(tmp_path / "o"), "--dry-run",
                 "--json", "--calib", "x.txt")
     assert r.returncode == 0, r.stderr
-    (plan,) = json.loads(r.stdout)
+    (plan,) = json.loads(r.stdout)["plans"]
     assert plan["format"] == "gptq" and plan["bits_per_weight"] < 16
     assert "peak memory (estimate)" in plan["extra"] and "time (estimate)" in plan["extra"]
     assert not (tmp_path / "o").exists()

@@ -35,6 +35,7 @@ class Plan:
     output: str
     rows: list[PlanRow] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    resources: Any = None     # quantkit.preflight.Resources: what the job takes (RAM, disk, time)
 
     @property
     def total_bytes(self) -> int:

@@ -15,6 +15,7 @@ from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...model.block import MoE
 from ...options import RunOptions
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
 from . import spec as awq_spec
 from .algorithm import AWQSettings
 from .job import AWQJob
@@ -93,11 +94,16 @@ class AWQBackend(Backend):
         run = settings.run
         if not rtn:
             plan.extra["calibration"] = run.calibration_text()
-        plan.extra["peak memory (estimate)"] = _memory_estimate(model, run.calib_samples, run.calib_seqlen, rtn)
+        text, shared, own, stream = _memory_estimate(model, run.calib_samples, run.calib_seqlen, rtn)
+        plan.extra["peak memory (estimate)"] = text
+        device = resolve_device(run.device)
+        seconds = (0.0, 0.0)
         if run.estimate_time:
-            device = resolve_device(run.device)
             seconds = _time_estimate(model, run.calib_samples * run.calib_seqlen, run.calib_seqlen, s, rtn, device)
-            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}"
+            plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+                                   final_disk=folder_disk(model, plan), stream=stream, calibrated=not rtn,
+                                   on_device=device.type == "cuda")
         plan.extra["loads in"] = ("transformers + GPTQModel (CPU or GPU), vLLM (GPU)" if s.group_size != -1
                                   else "transformers + GPTQModel")
         plan.extra["settings"] = json.dumps(s.__dict__)
@@ -144,32 +150,35 @@ def _layer_params(model) -> int:
     return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
 
 
-def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> str:
+def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
+    """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
     weights = _layer_params(model) * 4 * 3     # the layer in float32, the scaled copy, the dequantized one
     if rtn:
-        return f"{(weights + 300 * 2**20) / 2**30:.2f} GiB (one layer in float32 + runtime)"
-    stream = samples * seqlen * cfg.hidden_size * 4
-    outputs = 2 * samples * seqlen * cfg.hidden_size * 4   # the sub-block's reference and candidate outputs
+        return f"{(weights + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights, 0
+    stream = stream_bytes(model, samples, seqlen)
+    outputs = 2 * stream                       # the sub-block's reference and candidate outputs
     inter = batch_for(seqlen) * seqlen * cfg.intermediate_size * 4 * 4
     second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
-    total = stream + outputs + weights + inter + second_moments + 400 * 2**20
+    total = stream + outputs + weights + inter + second_moments + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "
-            f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)")
+            f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)",
+            inter, stream + outputs + weights + second_moments, stream)
 
 
-def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool, device: torch.device) -> float:
-    """The capture pass (about two forwards per layer) plus the scale search, which runs each sub-block behind
+def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool,
+                   device: torch.device) -> tuple[float, float]:
+    """(shared forwards, own work): the capture pass (about two forwards per layer) plus the scale search, which runs each sub-block behind
     a norm once per candidate (grid + 2) on its search windows — about that many more forwards of the layer."""
     params = _layer_params(model)
     if rtn:
-        return params * model.num_layers * 5e-9
+        return 0.0, params * model.num_layers * 5e-9
     flops = matmul_flops(device, default_compute_dtype(device))
     searched = tokens if not s.search_samples else min(tokens, s.search_samples * seqlen)
     search = (s.grid + 2) * 2 * params * searched / flops if s.search_scales else 0.0
     cfg = model.config
     moments = 2 * tokens * (3 * cfg.hidden_size ** 2 + cfg.intermediate_size ** 2) / (flops / 4)
-    return (2 * 2 * params * tokens / flops + search + moments) * model.num_layers
+    return 2 * 2 * params * tokens / flops * model.num_layers, (search + moments) * model.num_layers
 
 
 BACKEND = AWQBackend()

@@ -15,6 +15,7 @@ from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...model.safetensors_reader import DTYPES
 from ...options import RunOptions
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk
 from . import spec as bnb_spec
 from .encoders import quantize_4bit, quantize_int8
 from .layout import checkpoint_specs, converted_linears, quantization_config
@@ -104,11 +105,17 @@ class BnbBackend(Backend):
             plan.extra["skip modules"] = ", ".join(skip)
         layer = sum(e.nbytes for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
         biggest = max(lin.in_features * lin.out_features for row in model.stored_linears for lin in row)
-        peak = layer + biggest * 4 * 4 + 300 * 2**20
-        plan.extra["peak memory (estimate)"] = (f"{peak / 2**30:.2f} GiB (one layer as stored + the largest linear's "
-                                                f"float32 working copies + runtime), per run, for every bnb variant")
+        own = layer + biggest * 4 * 4
+        plan.extra["peak memory (estimate)"] = (f"{(own + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer as stored + the "
+                                                f"largest linear's float32 working copies + runtime), per run, for "
+                                                f"every bnb variant")
+        device = resolve_device(settings.run.device)
+        seconds = 0.0
         if settings.run.estimate_time:
-            plan.extra["time (estimate)"] = f"{_time_estimate(model, variant, resolve_device(settings.run.device)):.0f} s"
+            seconds = _time_estimate(model, variant, device)
+            plan.extra["time (estimate)"] = f"{seconds:.0f} s"
+        plan.resources = Resources(own_ram=own, own_seconds=seconds, final_disk=folder_disk(model, plan),
+                                   on_device=device.type == "cuda")
         return plan
 
     def write_all(self, model, items, out_dir: Path, settings: BnbSettings, progress, collected=None) -> list[Path]:

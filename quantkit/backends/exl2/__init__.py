@@ -14,6 +14,7 @@ from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...options import RunOptions
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
 from . import spec as exl2_spec
 from .job import EXL2Job
 from .layout import check_model, head_name, slots
@@ -106,11 +107,16 @@ class EXL2Backend(Backend):
                                      f"pass 1 measures {len(ATTENTION_OPTIONS)} attention and {len(MLP_OPTIONS)} MLP "
                                      f"options per layer on {s.measure_samples or 'all'} windows, once for "
                                      f"every exl2 target of the run")
-        plan.extra["peak memory (estimate)"] = _memory_estimate(model, run.calib_samples, run.calib_seqlen)
+        text, shared, own, stream = _memory_estimate(model, run.calib_samples, run.calib_seqlen)
+        plan.extra["peak memory (estimate)"] = text
+        device = resolve_device(run.device)
+        seconds = (0.0, 0.0)
         if run.estimate_time:
-            device = resolve_device(run.device)
             seconds = _time_estimate(model, run.calib_samples, run.calib_seqlen, s, measurement is None, device)
-            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}"
+            plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+                                   final_disk=folder_disk(model, plan) + _MEASUREMENT_BYTES_PER_LAYER * model.num_layers,
+                                   stream=stream, calibrated=True, on_device=device.type == "cuda")
         plan.extra["loads in"] = "exllamav2 / TabbyAPI (CUDA or ROCm; transformers does not load EXL2)"
         return plan
 
@@ -141,19 +147,24 @@ class EXL2Backend(Backend):
                            calibration=q.get("calibration"))
 
 
-def _memory_estimate(model, samples: int, seqlen: int) -> str:
+_MEASUREMENT_BYTES_PER_LAYER = 12 * 1024     # measurement.json: two sub-blocks' options with their errors
+
+
+def _memory_estimate(model, samples: int, seqlen: int) -> tuple[str, int, int, int]:
+    """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
     layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
     candidates = layer * 4 * 2                          # one sub-block's candidate weights + the working copy
-    stream = samples * seqlen * cfg.hidden_size * 4
+    stream = stream_bytes(model, samples, seqlen)
     head = cfg.vocab_size * cfg.hidden_size * 4 * 3     # the head's weights, its quantized copy and its errors
-    total = stream * 3 + candidates + head + 400 * 2**20
+    total = stream * 3 + candidates + head + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB + the sub-block outputs the "
-            f"measurement compares + one sub-block's candidates + the head + runtime)")
+            f"measurement compares + one sub-block's candidates + the head + runtime)",
+            0, stream * 3 + candidates + head, stream)
 
 
-def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: torch.device) -> float:
-    """Two forwards per layer per pass, the measurement's sub-block re-runs (one per option) on its windows,
+def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: torch.device) -> tuple[float, float]:
+    """(shared forwards, own work): two forwards per layer per pass, the measurement's sub-block re-runs (one per option) on its windows,
     and the quantizations (each an act-order GPTQ over the layer's rows, ~K² · N multiply-adds)."""
     flops = matmul_flops(device, default_compute_dtype(device))
     layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
@@ -166,7 +177,7 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
         per_layer += options * 2 * layer * windows * seqlen / flops
         per_layer += sum(len(d) for d in distinct(ATTENTION_OPTIONS) + distinct(MLP_OPTIONS)) / 7 * \
             2 * layer * model.config.hidden_size / (flops / 8)
-    return per_layer * model.num_layers
+    return forward * model.num_layers, (per_layer - forward) * model.num_layers
 
 
 BACKEND = EXL2Backend()

@@ -16,6 +16,7 @@ from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
+from ...preflight import RUNTIME_BYTES, Resources, stream_bytes
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
@@ -93,7 +94,7 @@ class GGUFBackend(Backend):
         if len(paths) > 1:
             plan.extra["split"] = (f"{len(paths)} files of at most {settings.split_max_bytes / 1e9:g} GB of tensor "
                                    f"data ({paths[0].name} … {paths[-1].name}); llama.cpp loads the first")
-        plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + 400 * 2**20) / 2**30:.2f} GiB " \
+        plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + RUNTIME_BYTES) / 2**30:.2f} GiB " \
                                                f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
         windowed = [i for i, slides in enumerate(sliding_layers(model)) if slides]
         if windowed and model.adapter.gguf_arch in ("llama", "phi3"):
@@ -112,9 +113,16 @@ class GGUFBackend(Backend):
         fused_n = sum(int(np.prod(r.shape)) for r in rows
                       if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
+        seconds = 0.0
         if settings.run.estimate_time:      # a dry run: timing the encoders costs a second or two
-            plan.extra["time (estimate)"] = f"{_estimate_seconds(rows, device):.0f} s on {device}" + (
+            seconds = _estimate_seconds(rows, device)
+            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}" + (
                 " at eager speed; the built kernels run the K-quants 2-4x faster" if compiled else "")
+        plan.resources = Resources(own_ram=largest * 4 * 3, own_seconds=seconds, on_device=device.type == "cuda",
+                                   final_disk=plan.total_bytes + _metadata_bytes(model, len(rows)))
+        if settings.imatrix:   # the pass that collects it: one stream, statistics of a few vectors per linear
+            plan.resources.calibrated, plan.resources.stream = True, stream_bytes(
+                model, settings.run.calib_samples, settings.run.calib_seqlen)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
@@ -187,6 +195,14 @@ def _split_override(text: str) -> tuple[str, str]:
     if not sep or not pattern or not qtype:
         raise UsageError(f"--tensor-type {text!r}: expected REGEX=TYPE, e.g. 'ffn_down=q6_k'")
     return pattern, qtype
+
+
+def _metadata_bytes(model, tensors: int) -> int:
+    """The key-value section and the tensor infos: mostly the vocabulary and merges, which take about what
+    they take in tokenizer.json (bench/results/preflight.md); plus alignment padding per tensor."""
+    tokenizer = model.folder / "tokenizer.json"
+    vocab = tokenizer.stat().st_size if tokenizer.is_file() else model.config.vocab_size * 16
+    return vocab + tensors * (96 + 32) + 4096
 
 
 def _estimate_seconds(rows, device: torch.device) -> float:

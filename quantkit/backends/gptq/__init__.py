@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,9 @@ from ...calibration.capture import batch_for, default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
 from . import spec as gptq_spec
-from .algorithm import GPTQSettings
+from .algorithm import GPTQSettings, gptq_quantize
 from .job import GPTQJob
 from .layout import check_linear, checkpoint_specs, group_count
 from .reader import GPTQCheckpoint, describe, read_quantization_config
@@ -98,8 +100,15 @@ class GPTQBackend(Backend):
         samples, seqlen = run.calib_samples, run.calib_seqlen
         if not rtn:
             plan.extra["calibration"] = run.calibration_text()
-        plan.extra["peak memory (estimate)"] = _memory_estimate(model, samples, seqlen, rtn)
-        plan.extra["time (estimate)"] = f"{_time_estimate(model, samples * seqlen, rtn, device):.0f} s on {device}"
+        text, shared, own, stream = _memory_estimate(model, samples, seqlen, rtn)
+        plan.extra["peak memory (estimate)"] = text
+        seconds = (0.0, 0.0)
+        if run.estimate_time:      # a dry run: the probe of the column loop costs a second
+            seconds = _time_estimate(model, samples * seqlen, s, rtn, device)
+            plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+                                   final_disk=folder_disk(model, plan), stream=stream, calibrated=not rtn,
+                                   on_device=device.type == "cuda")
         plan.extra["settings"] = json.dumps({k: v for k, v in s.__dict__.items()})
         for i, n in enumerate(notes):
             plan.extra[f"note {i + 1}"] = n
@@ -141,35 +150,59 @@ class GPTQBackend(Backend):
                 (torch_way, lambda: TransformersSession(consumer.load(Path(path), "torch", torch.float32), torch_way))]
 
 
-def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> str:
+def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
+    """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
     layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
     weights_fp32 = layer * 4 * 2  # the layer in float32 plus the stacked copy GPTQ works on
     if rtn:
-        total = weights_fp32 + 300 * 2**20
-        return f"{total / 2**30:.2f} GiB (one layer in float32 + runtime)"
-    stream = samples * seqlen * cfg.hidden_size * 4
+        return f"{(weights_fp32 + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights_fp32, 0
+    stream = stream_bytes(model, samples, seqlen)
     batch_tokens = batch_for(seqlen) * seqlen
     inter = batch_tokens * cfg.intermediate_size * 4 * 4
     hessian = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
-    total = stream + weights_fp32 + inter + hessian + 400 * 2**20
+    total = stream + weights_fp32 + inter + hessian + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + one layer + "
-            f"one batch + Hessians + runtime)")
+            f"one batch + Hessians + runtime)", weights_fp32 + inter, stream + hessian, stream)
 
 
-def _time_estimate(model: Checkpoint, tokens: int, rtn: bool, device: torch.device) -> float:
-    """Matmul throughput probed here × the pass's FLOPs, plus the column loop's per-column cost."""
+def _time_estimate(model: Checkpoint, tokens: int, s: GPTQSettings, rtn: bool,
+                   device: torch.device) -> tuple[float, float]:
+    """(the pass's forwards, shared with the run's other calibrated jobs; this job's own work): matmul throughput
+    probed here × the FLOPs, plus the column loop timed here on the layer's largest linear."""
     params = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-    columns = sum(lin.in_features for lin in model.stored_linears[0])
-    per_column = 40e-6 if device.type == "cpu" else 60e-6
-    loop = columns * per_column * model.num_layers
+    loop = _probe_column_loop(model, s, device) * model.num_layers
     if rtn:
-        return loop / 4
+        return 0.0, loop / 4
     flops = matmul_flops(device, default_compute_dtype(device))
     # about two forward passes per layer, plus X^T X in float32 (counted at a quarter of the bf16 rate)
     forward = 2 * 2 * params * tokens / flops
     hessian = 2 * tokens * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)
-    return (forward + hessian) * model.num_layers + loop
+    return forward * model.num_layers, hessian * model.num_layers + loop
+
+
+def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device) -> float:
+    """Seconds of GPTQ's column loop for one layer's linears here.  The loop costs a fixed amount per column
+    (the Python steps, the block updates' launches) plus an amount per weight: time the largest linear at its
+    full height and at an eighth of it, and solve for the two."""
+    linears = model.stored_linears[0]
+    big = max(linears, key=lambda lin: lin.in_features * lin.out_features)
+    n, k = big.out_features, big.in_features
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * k, k, generator=gen)
+    h = (x.T @ x / x.shape[0]).to(device)
+    w = torch.randn(n, k, generator=gen).to(device)
+    gptq_quantize(w[:8], h, s)           # first-call set-up is not per column
+
+    def timed(rows: int) -> float:
+        t0 = time.perf_counter()
+        gptq_quantize(w[:rows], h, s)
+        return time.perf_counter() - t0
+    low, high = max(1, n // 8), n
+    t_low, t_high = timed(low), timed(high)
+    per_weight = max(t_high - t_low, 0.0) / ((high - low) * k)
+    per_column = max(t_low - per_weight * low * k, 0.0) / k
+    return sum(lin.in_features * (per_column + per_weight * lin.out_features) for lin in linears)
 
 
 BACKEND = GPTQBackend()

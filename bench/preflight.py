@@ -1,0 +1,186 @@
+"""Benchmark: the dry run's estimates against what the run then takes, for every format, on the demo model and
+on a >= 1 GiB synthetic llama.
+
+For each (model, formats) it runs `quantkit convert --dry-run --json` (the estimate: peak RAM, disk final and
+temporary, time), then the same command for real in a child process, and measures the child's peak RSS
+(wait4), the output folder's final size, its peak size while the run goes (partial folders and crash-resume
+commit points included; sampled every 0.1 s), and the wall time.  Reports estimate / measured per figure;
+the goal is every ratio within [0.8, 1.2].
+
+    python bench/preflight.py [--samples 32] [--seqlen 256] [--only demo|synthetic] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
+RUNS = [["gguf:Q4_K_M"], ["gguf:Q4_K_M", "--imatrix"], ["gptq:4bit-g128"], ["awq:4bit-g64"], ["exl2:4.0bpw"],
+        ["bnb:nf4"], ["bnb:int8"], ["gptq:4bit-g128", "-f", "awq:4bit-g64"]]
+FIGURES = [("peak RAM", "peak_ram_bytes", "rss"), ("disk final", "disk_final_bytes", "final"),
+           ("disk peak", "disk_bytes", "disk_peak"), ("time", "seconds", "wall")]
+
+
+def folder_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass   # renamed or removed while we looked
+    return total
+
+
+def synthetic(folder: Path, target_gib: float) -> dict:
+    """A llama of hidden 1024 with the demo's tokenizer (vocab 49152), as many layers as reach target_gib."""
+    import torch
+    from safetensors.torch import save_file
+    from quantkit.model.demo import demo_checkpoint
+    demo = Path(demo_checkpoint("smollm2-135m"))
+    hidden, inter, heads, kv, vocab = 1024, 4096, 16, 4, 49152
+    kvd = hidden * kv // heads
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kvd + 3 * hidden * inter)
+    layers = int((target_gib * 2**30 - 2 * vocab * hidden * 2) // per_layer) + 1
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (demo / name).is_file():
+            shutil.copy(demo / name, folder / name)
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+    weight_map, shards = {}, layers + 1
+    name_of = lambda k: f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t = {p + "self_attn.q_proj.weight": rnd(hidden, hidden), p + "self_attn.k_proj.weight": rnd(kvd, hidden),
+             p + "self_attn.v_proj.weight": rnd(kvd, hidden), p + "self_attn.o_proj.weight": rnd(hidden, hidden),
+             p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
+             p + "mlp.down_proj.weight": rnd(hidden, inter),
+             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+        save_file(t, str(folder / name_of(i)), metadata={"format": "pt"})
+        weight_map.update({k: name_of(i) for k in t})
+    rest = {"model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
+            "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    save_file(rest, str(folder / name_of(layers)), metadata={"format": "pt"})
+    weight_map.update({k: name_of(layers) for k in rest})
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size},
+                                                                     "weight_map": weight_map}))
+    return {"layers": layers, "hidden": hidden, "bytes": size}
+
+
+def measure(model: str, formats: list[str], out: Path, common: list[str]) -> dict:
+    args = [sys.executable, "-m", "quantkit", "convert", model, "-f", *formats, "-o", str(out), *common]
+    dry = subprocess.run([*args, "--dry-run", "--json"], capture_output=True, text=True)
+    if dry.returncode:
+        raise SystemExit(dry.stderr[-2000:])
+    estimate = json.loads(dry.stdout)["run"]
+    estimate["disk_bytes"] = estimate["disk_final_bytes"] + estimate["disk_temporary_bytes"]
+    shutil.rmtree(out, ignore_errors=True)
+    peak = {"disk": 0}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak["disk"] = max(peak["disk"], folder_bytes(out))
+            time.sleep(0.1)
+    t0 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = out.parent / "child.log"
+    with open(logs, "w") as log:
+        # output to a file and wait4 here, so the figures are this child's alone (not the dry run's)
+        proc = subprocess.Popen([*args, "--json"], stdout=log, stderr=subprocess.STDOUT)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    stop.set()
+    watcher.join()
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(logs.read_text()[-2000:])
+    final = folder_bytes(out)
+    return {"estimate": estimate, "measured": {"rss": usage.ru_maxrss * 1024, "final": final,
+                                               "disk_peak": max(peak["disk"], final), "wall": round(wall, 1)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--gib", type=float, default=1.05)
+    ap.add_argument("--only", choices=["demo", "synthetic"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-preflight"))
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--runs", type=int, nargs="*", help="indices into RUNS (default: all)")
+    a = ap.parse_args()
+    common = ["--calib", str(CALIB), "--calib-samples", str(a.samples), "--calib-seqlen", str(a.seqlen),
+              "--device", "cpu"]
+    models = {}
+    if a.only in (None, "demo"):
+        models["demo:smollm2-135m"] = "demo:smollm2-135m"
+    if a.only in (None, "synthetic"):
+        info = synthetic(a.work / "synthetic", a.gib)
+        models[f"synthetic llama {info['bytes'] / 2**30:.2f} GiB ({info['layers']} layers, hidden 1024)"] = \
+            str(a.work / "synthetic")
+    rows = []
+    for label, model in models.items():
+        for run in [RUNS[i] for i in a.runs] if a.runs else RUNS:
+            formats = [f for f in run if not f.startswith("-")]
+            r = measure(model, run, a.work / "out", common)
+            r.update(model=label, formats=" + ".join(formats) + (" --imatrix" if "--imatrix" in run else ""))
+            r["ratios"] = {name: round(r["estimate"][e] / max(r["measured"][m], 1e-9), 3) for name, e, m in FIGURES}
+            rows.append(r)
+            print(r["model"], r["formats"], r["ratios"], flush=True)
+            shutil.rmtree(a.work / "out", ignore_errors=True)
+    if not a.keep:
+        shutil.rmtree(a.work, ignore_errors=True)
+    write_results(rows, a)
+
+
+def write_results(rows: list[dict], a) -> None:
+    meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "python": platform.python_version(), "calibration": f"{a.samples} × {a.seqlen} tokens of {CALIB.name}"}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "preflight.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    gib = lambda b: f"{b / 2**30:.3f}"
+    lines = ["# Pre-flight estimates against the run (bench/preflight.py)", "",
+             f"{meta['date']}, {meta['machine']}, Python {meta['python']}; calibration {meta['calibration']}; "
+             f"each run alone in a child process, right after its `--dry-run` (which gives the estimate).", "",
+             "Ratio = estimate / measured; goal 0.8-1.2.  RAM: the child's peak RSS.  Disk final: the output folder "
+             "after the run.  Disk peak: the folder's largest size during the run (partial folders and the "
+             "crash-resume commit points included; sampled every 0.1 s).  Time: wall time of the child.", "",
+             "| model | formats | RAM est / meas (GiB) | ratio | disk final est / meas (GiB) | ratio | "
+             "disk peak est / meas (GiB) | ratio | time est / meas (s) | ratio |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        e, m, q = r["estimate"], r["measured"], r["ratios"]
+        lines.append(f"| {r['model']} | {r['formats']} | {gib(e['peak_ram_bytes'])} / {gib(m['rss'])} | "
+                     f"{q['peak RAM']} | {gib(e['disk_final_bytes'])} / {gib(m['final'])} | {q['disk final']} | "
+                     f"{gib(e['disk_bytes'])} / {gib(m['disk_peak'])} | {q['disk peak']} | "
+                     f"{e['seconds']:.0f} / {m['wall']:.0f} | {q['time']} |")
+    outside = [f"{r['model']} {r['formats']}: {k} {v}" for r in rows for k, v in r["ratios"].items()
+               if not 0.8 <= v <= 1.2]
+    lines += ["", f"Outside 0.8-1.2: {len(outside)} of {4 * len(rows)}" + (":" if outside else ".")]
+    lines += [f"- {o}" for o in outside]
+    (RESULTS / "preflight.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Pre-flight: the run's figures from its jobs' (the calibration pass shared, the rest one after another), the
+dry run's report of them, and the refusal up front when the disk or the memory cannot hold the run.  How close
+the estimates come to the measurement is a benchmark (bench/preflight.py), not a test."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_TEXT, make_checkpoint, run_cli
+from quantkit import api, preflight
+from quantkit.errors import ResourceError
+from quantkit.preflight import Resources, combine
+
+MiB = 2**20
+
+
+def test_calibrated_jobs_share_the_pass_and_the_others_run_after_it(monkeypatch):
+    monkeypatch.setattr(preflight, "_own_rss", lambda: 300 * MiB)
+    monkeypatch.setitem(preflight._startup, "seconds", 5.0)
+    gptq = Resources(own_ram=100 * MiB, shared_ram=50 * MiB, own_seconds=10, shared_seconds=20, final_disk=7,
+                     stream=40 * MiB, calibrated=True)
+    awq = Resources(own_ram=200 * MiB, shared_ram=80 * MiB, own_seconds=30, shared_seconds=25, final_disk=8,
+                    stream=40 * MiB, calibrated=True)
+    gguf = Resources(own_ram=900 * MiB, own_seconds=4, final_disk=9)
+    run = combine([gptq, awq, gguf], "cpu")
+    pass_ram = 300 * MiB + preflight.CALIBRATION_LOAD_BYTES + 80 * MiB + 300 * MiB + 80 * MiB   # + both copies
+    assert run.peak_ram == max(pass_ram, 300 * MiB + 900 * MiB)
+    assert run.seconds == 5 + 25 + 10 + 30 + 4                 # the pass's forwards once
+    assert run.final_disk == 24 and run.scratch_disk == 2 * 80 * MiB   # two generations of both streams
+    no_resume = combine([gptq, awq], "cpu", resume=False)
+    assert no_resume.scratch_disk == 0 and no_resume.peak_ram == pass_ram - 80 * MiB
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pf")
+    text = base / "calib.txt"
+    text.write_text(TINY_TEXT * 3)
+    return make_checkpoint(base / "m", hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=96), text
+
+
+def test_dry_run_reports_the_run_and_what_is_here(model, tmp_path):
+    folder, text = model
+    r = run_cli("convert", str(folder), "-f", "gptq:4bit-g32", "-f", "bnb:nf4", "--calib", str(text),
+                "--calib-samples", "4", "--calib-seqlen", "32", "--dry-run", "--json", "-o", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    run = d["run"]
+    assert run["disk_final_bytes"] >= sum(p["bytes"] for p in d["plans"])
+    assert run["disk_temporary_bytes"] == 2 * 4 * 32 * 64 * 4      # GPTQ's stream, two commit generations
+    assert run["peak_ram_bytes"] > 0 and run["seconds"] > 0 and run["refused"] is None
+    assert run["disk_free_bytes"] > 0 and run["ram_available_bytes"] > 0
+    table = run_cli("convert", str(folder), "-f", "bnb:nf4", "--dry-run", "-o", str(tmp_path / "o"))
+    assert "peak RAM" in table.stdout and "temporary" in table.stdout and "it fits" in table.stdout
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("what, patch, fragment", [
+    ("disk", "free_disk", "GiB of disk"),
+    ("memory", "available_ram", "GiB of RAM"),
+])
+def test_a_run_that_cannot_fit_is_refused_up_front(model, tmp_path, monkeypatch, what, patch, fragment):
+    folder, text = model
+    monkeypatch.setattr(preflight, patch, lambda *a: 1024)
+    out = tmp_path / "o"
+    options = {"calib": str(text), "calib_samples": 4, "calib_seqlen": 32}
+    with pytest.raises(ResourceError, match=fragment) as e:
+        api.convert(str(folder), ["gptq:4bit-g32"], out, options=options)
+    assert "--no-preflight" in e.value.message and "\n" not in e.value.message
+    assert not out.exists() or not list(out.iterdir())
+    (written,) = api.convert(str(folder), ["gptq:4bit-g32"], out, options={**options, "preflight": False})
+    assert written.is_dir()
+
+
+def test_the_refusal_through_the_command_line_is_exit_10(model, tmp_path, monkeypatch, capsys):
+    from test_bad_inputs import invoke
+    folder, _ = model
+    monkeypatch.setattr(preflight, "free_disk", lambda *a: 1000)
+    code, err = invoke(["convert", str(folder), "-f", "bnb:nf4", "-o", str(tmp_path / "o")], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 10 and len(lines) == 1 and "GiB of disk" in lines[0] and "0.00 GiB is free" in lines[0], err
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
