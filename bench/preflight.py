@@ -45,45 +45,14 @@ def folder_bytes(folder: Path) -> int:
 
 def synthetic(folder: Path, target_gib: float) -> dict:
     """A llama of hidden 1024 with the demo's tokenizer (vocab 49152), as many layers as reach target_gib."""
-    import torch
-    from safetensors.torch import save_file
     from quantkit.model.demo import demo_checkpoint
+    from stream_memory import write_checkpoint
+    info = write_checkpoint(folder, target_gib, hidden=1024, inter=4096, vocab=49152, heads=16, kv=4)
     demo = Path(demo_checkpoint("smollm2-135m"))
-    hidden, inter, heads, kv, vocab = 1024, 4096, 16, 4, 49152
-    kvd = hidden * kv // heads
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kvd + 3 * hidden * inter)
-    layers = int((target_gib * 2**30 - 2 * vocab * hidden * 2) // per_layer) + 1
-    folder.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
         if (demo / name).is_file():
             shutil.copy(demo / name, folder / name)
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = torch.Generator().manual_seed(0)
-    rnd = lambda *shape: (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
-    weight_map, shards = {}, layers + 1
-    name_of = lambda k: f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t = {p + "self_attn.q_proj.weight": rnd(hidden, hidden), p + "self_attn.k_proj.weight": rnd(kvd, hidden),
-             p + "self_attn.v_proj.weight": rnd(kvd, hidden), p + "self_attn.o_proj.weight": rnd(hidden, hidden),
-             p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-             p + "mlp.down_proj.weight": rnd(hidden, inter),
-             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-        save_file(t, str(folder / name_of(i)), metadata={"format": "pt"})
-        weight_map.update({k: name_of(i) for k in t})
-    rest = {"model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
-            "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    save_file(rest, str(folder / name_of(layers)), metadata={"format": "pt"})
-    weight_map.update({k: name_of(layers) for k in rest})
-    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size},
-                                                                     "weight_map": weight_map}))
-    return {"layers": layers, "hidden": hidden, "bytes": size}
+    return info
 
 
 def measure(model: str, formats: list[str], out: Path, common: list[str]) -> dict:

@@ -66,11 +66,12 @@ def run_child(code: str, folder: Path) -> tuple[int, float]:
     return int(peak), float(seconds)
 
 
-def write_checkpoint(folder: Path, target_gib: float) -> dict:
+def write_checkpoint(folder: Path, target_gib: float, hidden: int = 4096, inter: int = 11008, vocab: int = 32000,
+                     heads: int = 32, kv: int = 8) -> dict:
+    """A random bf16 llama of this shape with as many layers as reach target_gib, one shard per layer."""
     import torch
     from safetensors.torch import save_file
 
-    hidden, inter, vocab, heads, kv = 4096, 11008, 32000, 32, 8
     per_layer = 2 * (2 * hidden * hidden + 2 * hidden * (hidden * kv // heads) + 3 * hidden * inter)
     embed = 2 * vocab * hidden * 2
     layers = max(1, int((target_gib * 2**30 - embed) // per_layer) + 1)
