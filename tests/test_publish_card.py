@@ -155,3 +155,27 @@ def test_card_gives_the_exact_command_without_token_or_local_paths(tiny_gguf_sou
                 f"--device cpu -o out")
     assert f"`{q8.name}`, `{q4.name}`:\n\n```bash\n{expected}\n```" in text    # one run, both files
     assert str(tmp_path) not in text and TOKEN not in text
+
+
+def test_verify_results_go_into_the_card(measured):
+    """What `quantkit verify` found, per runtime, is on the card: verdict, the way it loaded, speed, memory."""
+    from quantkit.verify import verify
+    gguf_file = measured[1]
+    assert verify(gguf_file, runtimes=["llama.cpp"], tokens=32, generate=4).passed
+    text = card_files(REPO, [api_row(gguf_file)])["README.md"].decode()
+    section = text.split("## Checked in its runtimes", 1)[1].split("##", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith(f"| `{gguf_file.name}`"))
+    assert "| llama.cpp | pass |" in row and "GiB |" in row
+
+
+def test_a_gptq_that_needs_the_torch_kernel_gets_that_way_on_its_card():
+    """verify's finding that the default CPU kernel refuses a folder (the demo's 576 at g128) becomes the way
+    the card tells users to load it."""
+    found = {"runtime": "transformers", "verdict": "pass", "why": "", "loaded_with": 'GPTQConfig(backend="torch") in float32',
+             "default_failed": "ValueError: 576 % 128", "dtype": "float32", "top1_agreement": 1.0,
+             "decode_tokens_per_s": 0.2, "prompt_tokens_per_s": 3.0, "peak_rss_gib": 1.1, "date": "2026-12-02"}
+    row = CardRow(path="m-gptq-4bit-g128", format="gptq", variant="4bit-g128", size=10, bits_per_weight=4.2,
+                  verify=[found])
+    text = card_text(REPO, [row], base_model=None, license=None)
+    assert 'quantization_config=GPTQConfig(bits=4, backend="torch")' in text and "576 % 128" in text
+    assert "| `m-gptq-4bit-g128` | transformers | pass |" in text

@@ -36,6 +36,7 @@ class CardRow:
     calibration: dict | None = None       # source, samples, seqlen, token_hash
     source: dict = field(default_factory=dict)   # the model it was made from (name, revision)
     command: str | None = None            # the quantkit command that made it, local paths shortened
+    verify: list[dict] | None = None      # `quantkit verify`: per runtime, verdict, how it loaded, agreement, speed
 
     @property
     def label(self) -> str:
@@ -67,9 +68,28 @@ def row_for(artifact: Path, path_in_repo: str, parameters: int | None = None) ->
     if metrics:
         metrics = {**metrics, "protocol": {**metrics["protocol"], "base": public_name(str(metrics["protocol"]["base"]))}}
     return CardRow(path=path_in_repo, format=backend.name, variant=str(variant), size=size, bits_per_weight=bpw,
-                   metrics=metrics, calibration=calibration,
+                   metrics=metrics, calibration=calibration, verify=_verified(record.get("verify")),
                    source={"model": public_name(str(source.get("model", ""))), "revision": source.get("revision")},
                    command=public_command(record["command"]) if record.get("command") else None)
+
+
+def _verified(report: dict | None) -> list[dict] | None:
+    """What the card shows of a verify report: per runtime that ran, the verdict and its figures."""
+    if not report:
+        return None
+    out = []
+    for r in report.get("runtimes", []):
+        if r["verdict"] == "not installed":
+            continue
+        f = r.get("figures") or {}
+        failed = (f.get("default_failed") or [{}])[0]
+        out.append({"runtime": r["runtime"], "verdict": r["verdict"], "why": r.get("why", ""),
+                    "loaded_with": f.get("loaded_with"), "default_failed": failed.get("error"),
+                    "dtype": f.get("dtype"), "top1_agreement": f.get("top1_agreement"),
+                    "decode_tokens_per_s": f.get("decode_tokens_per_s"),
+                    "prompt_tokens_per_s": f.get("prompt_tokens_per_s"), "peak_rss_gib": f.get("peak_rss_gib"),
+                    "date": report.get("date")})
+    return out or None
 
 
 def public_name(name: str) -> str:
@@ -158,6 +178,7 @@ def card_text(repo: str, rows: list[CardRow], *, base_model: str | None, license
     if plot:
         lines += ["", f"![mean KL divergence and perplexity against bits per weight]({PLOT_NAME})"]
     lines += ["", "## How to run", ""] + _how_to_run(repo, rows)
+    lines += _verification(rows)
     lines += _calibration(rows)
     lines += ["", "## How these were made", "",
               f"quantkit {__version__}. Each artifact's `quantkit.json` (for a GGUF file, this card's row) holds "
@@ -213,10 +234,21 @@ def _how_to_run(repo: str, rows: list[CardRow]) -> list[str]:
             continue
         sub = f', subfolder="{r.path}"' if r.path else ""
         needs = {"gptq": "pip install gptqmodel (with optimum)", "bnb": "pip install bitsandbytes"}.get(r.format, "")
+        fallback = next((v for v in r.verify or [] if v["runtime"] == "transformers" and v["verdict"] == "pass"
+                         and v.get("default_failed") and "GPTQConfig" in str(v.get("loaded_with"))), None)
         out += [f"transformers ({r.format} {r.variant}{'; ' + needs if needs else ''}):", "", "```python",
                 "from transformers import AutoModelForCausalLM, AutoTokenizer",
                 f'model = AutoModelForCausalLM.from_pretrained("{repo}"{sub}, device_map="auto")',
                 f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{sub})', "```", ""]
+        if fallback:   # verify found that the default way fails here and which way works
+            bits = re.match(r"(\d+)bit", r.variant)
+            out += [f"On the CPU the default kernel refuses this one ({fallback['default_failed']}); "
+                    f"`quantkit verify` loaded it with {fallback['loaded_with']}:", "", "```python",
+                    "import torch",
+                    "from transformers import AutoModelForCausalLM, GPTQConfig",
+                    f'model = AutoModelForCausalLM.from_pretrained("{repo}"{sub}, torch_dtype=torch.float32, '
+                    f'quantization_config=GPTQConfig(bits={bits.group(1) if bits else 4}, backend="torch"))',
+                    "```", ""]
         if r.format == "gptq" and not r.path:   # vLLM loads a repo's root, not a subfolder
             out += ["vLLM:", "", "```bash", f"vllm serve {repo}", "```", ""]
     return out
@@ -231,6 +263,24 @@ def _commands(rows: list[CardRow]) -> list[str]:
     out = []
     for command, labels in made.items():
         out += [f"{', '.join(labels)}:", "", "```bash", command, "```", ""]
+    return out
+
+
+def _verification(rows: list[CardRow]) -> list[str]:
+    checked = [(r, v) for r in rows for v in r.verify or []]
+    if not checked:
+        return []
+    out = ["", "## Checked in its runtimes", "",
+           "`quantkit verify`: each file loaded in the runtime named, a fixed text run through it, and its logits "
+           "compared with quantkit's own reading of the file.", "",
+           "| file | runtime | verdict | loaded with | top-1 vs quantkit | prompt tok/s | decode tok/s | peak memory |",
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r, v in checked:
+        num = lambda key, fmt: fmt.format(v[key]) if v.get(key) is not None else "–"
+        verdict = v["verdict"] + (f" ({v['why']})" if v["verdict"] == "fail" and v.get("why") else "")
+        out.append(f"| `{r.label}` | {v['runtime']} | {verdict} | {v.get('loaded_with') or '–'} | "
+                   f"{num('top1_agreement', '{:.2%}')} | {num('prompt_tokens_per_s', '{:.1f}')} | "
+                   f"{num('decode_tokens_per_s', '{:.1f}')} | {num('peak_rss_gib', '{:.2f} GiB')} |")
     return out
 
 
