@@ -186,8 +186,6 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     settings = _settings(parsed, options)
     model = open_model(spec)
     plans = [backend.plan(model, variant, Path(out), settings[backend.name]) for backend, _, variant in parsed]
-    if options.get("preflight", True):
-        check_resources(estimate(plans, options), Path(out))
     groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
     for (backend, _, variant), plan_ in zip(parsed, plans):
         groups.setdefault(backend.name, (backend, []))[1].append((variant, plan_))
@@ -196,7 +194,9 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
                  if not b.calibrated}
     written: list[Path] = []
     from .artifact import output_locks
-    with output_locks([Path(p.output) for p in plans]):
+    with output_locks([Path(p.output) for p in plans]):   # first: an unwritable output is said as such
+        if options.get("preflight", True):
+            check_resources(estimate(plans, options), Path(out))
         if calibrated or any(collected.values()):
             written = _convert_calibrated(model, calibrated, settings, [j for js in collected.values() for j in js],
                                           options, progress, [Path(p.output) for p in plans], Path(out))
