@@ -97,7 +97,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["demo", "synthetic"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-preflight"))
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--runs", type=int, nargs="*", help="indices into RUNS (default: all)")
+    ap.add_argument("--runs", type=int, nargs="*", help="indices into RUNS, in this order (default: all)")
+    ap.add_argument("--synthetic-runs", type=int, nargs="*", help="indices into RUNS for the synthetic model")
     a = ap.parse_args()
     common = ["--calib", str(CALIB), "--calib-samples", str(a.samples), "--calib-seqlen", str(a.seqlen),
               "--device", "cpu"]
@@ -110,7 +111,8 @@ def main() -> None:
             str(a.work / "synthetic")
     rows = []
     for label, model in models.items():
-        for run in [RUNS[i] for i in a.runs] if a.runs else RUNS:
+        picked = a.synthetic_runs if (label != "demo:smollm2-135m" and a.synthetic_runs) else a.runs
+        for run in [RUNS[i] for i in picked] if picked else RUNS:
             formats = [f for f in run if not f.startswith("-")]
             r = measure(model, run, a.work / "out", common)
             r.update(model=label, formats=" + ".join(formats) + (" --imatrix" if "--imatrix" in run else ""))
@@ -118,6 +120,7 @@ def main() -> None:
             rows.append(r)
             print(r["model"], r["formats"], r["ratios"], flush=True)
             shutil.rmtree(a.work / "out", ignore_errors=True)
+            write_results(rows, a)     # after every run: a long benchmark cut short keeps what it measured
     if not a.keep:
         shutil.rmtree(a.work, ignore_errors=True)
     write_results(rows, a)
