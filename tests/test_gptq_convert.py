@@ -127,9 +127,11 @@ def test_bad_input_is_one_line_and_leaves_nothing(tiny_gguf_source, calib_text, 
     assert not out.exists() or not any(out.iterdir())
 
 
-@pytest.mark.parametrize("tensor,message", [("model.layers.1.mlp.up_proj.weight", "weights contain NaN"),
-                                            ("model.layers.0.input_layernorm.weight", "Hessian is not finite")])
-def test_nan_weights_or_activations_fail_cleanly(tmp_path, calib_text, tensor, message):
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_nan_weights_or_activations_fail_cleanly(tmp_path, calib_text, tensor):
+    """Refused by name before the layer's work starts (a NaN norm would otherwise surface as a Hessian that is
+    not finite, naming nothing)."""
+    message = f"{tensor}: contains NaN or infinite values"
     src = make_checkpoint(tmp_path / "nan", hidden=64, intermediate=128, vocab=320, bpe=True)
     from safetensors.torch import load_file, save_file
     f = src / "model.safetensors"
