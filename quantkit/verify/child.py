@@ -1,6 +1,6 @@
 """One runtime's side of `quantkit verify`, in its own process (so its peak memory is its own, and a runtime
-that crashes takes only this process down): load the artifact the first way that works, in the order a user
-would try them; time the load, the prompt's logits and greedy decoding; save the logits for the parent.
+that crashes takes only this process down): load the artifact the first way that works (loads and runs a forward), in
+the order a user would try them; time the load, the prompt's logits and greedy decoding; save the logits for the parent.
 
     python -m quantkit.verify.child REQUEST.json      (writes REQUEST.json's "out" .pt; prints RESULT {...})
 """
@@ -29,7 +29,12 @@ def main(request_path: str) -> None:
             continue
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        logits = session.prompt_logits(ids)
+        try:
+            logits = session.prompt_logits(ids)
+        except Exception as e:     # loaded, but its kernels refuse the shapes at the first forward: this way fails
+            failures.append({"how": how, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+            del session
+            continue
         prompt_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         made = session.decode(gen)
