@@ -25,8 +25,9 @@ class RunOptions:
     @classmethod
     def from_dict(cls, options: dict) -> "RunOptions":
         o = options or {}
+        samples, seqlen = calibration_size(o)
         return cls(device=o.get("device"), calib=str(o["calib"]) if o.get("calib") else None,
-                   calib_samples=calibration_size(o)[0], calib_seqlen=calibration_size(o)[1],
+                   calib_samples=samples, calib_seqlen=seqlen,
                    seed=int(o.get("seed") or 0), calib_column=o.get("calib_column"),
                    max_shard_bytes=int(o.get("max_shard_bytes") or 4 << 30),
                    estimate_time=bool(o.get("estimate_time")))
