@@ -46,7 +46,7 @@ install-test: .make/test
 
 .make/test: .make/demo $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-	  $(PIP) -c $(CONSTRAINTS) -e ".[demo,test,llamacpp,gptq,bnb,ray]"
+	  $(PIP) -c $(CONSTRAINTS) -e ".[demo,test,llamacpp,gptq,bnb,ray,kvcache]"
 	$(PIP) --no-deps $(GPTQMODEL)
 	touch $@
 

@@ -81,11 +81,12 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
         raise UsageError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     if kv_cache is not None:
         from .eval.kv_cache import parse_types
-        (kv_cache,) = parse_types(kv_cache)
         backend = backend_for_artifact(Path(spec)) if Path(spec).exists() else None
         if backend is None or runtime not in backend.kv_cache_runtimes:
             raise UsageError("--kv-cache: the K/V cache is quantized by the runtime that runs the artifact: "
-                             "a GGUF file with --runtime llama.cpp")
+                             "a GGUF file with --runtime llama.cpp, a GPTQ, AWQ or bnb folder with --runtime "
+                             "transformers")
+        (kv_cache,) = parse_types(kv_cache, runtime)
     base_model = open_model(base) if base else None
     model = open_any(spec, base=base_model, activations=activations)
     tokens = load_windows((base_model or model).tokenizer, Path(data), ctx, windows)
@@ -101,7 +102,7 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
     result.runtime = runtime
     if kv_cache is not None:
         from .eval.kv_cache import cache_bytes
-        result.kv_cache, result.kv_cache_bytes = kv_cache, cache_bytes(model.config, ctx, kv_cache)
+        result.kv_cache, result.kv_cache_bytes = kv_cache, cache_bytes(model.config, ctx, kv_cache, runtime)
     return result
 
 

@@ -95,7 +95,7 @@ def eval_cmd(model: str = typer.Argument(..., help="Model or artifact to evaluat
                                          help="quantkit (own dequantization), llama.cpp (GGUF in llama.cpp) or transformers (GPTQ in transformers + GPTQModel, bnb in transformers + bitsandbytes)."),
              activations: str = typer.Option("exact", "--activations",
                                              help="exact, or round each linear's input as its runtime does: llama.cpp (GGUF), bitsandbytes (bnb: LLM.int8's int8 products, the 4-bit compute dtype)."),
-             kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="The runtime's K/V cache type(s), e.g. f16,q8_0,q4_0: one evaluation per type, side by side, with the cache's size (llama.cpp: a GGUF file with --runtime llama.cpp)."),
+             kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="The runtime's K/V cache type(s): one evaluation per type, side by side, with the cache's size. llama.cpp (a GGUF file): f16,q8_0,q4_0 …; transformers (a GPTQ, AWQ or bnb folder): f32,fp8,int4,int2 (int4/int2 need optimum-quanto)."),
              record: bool = typer.Option(False, "--record", help="Store the figures and the protocol in the artifact's record (quantkit.json), for cards and reports."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON only.")):
     """Perplexity (and with --base, mean KL divergence and top-1 agreement) on a text file."""
@@ -132,9 +132,10 @@ def _eval_kv_caches(model, data, base, ctx, windows, device, runtime, types, as_
     with the cache's bytes at --ctx and at the model's trained context."""
     from . import api
     from .eval.kv_cache import cache_bytes, parse_types
+    from .eval.transformers_cache import KV_CHUNK
     from .progress import rich_progress
     results = []
-    for kind in parse_types(types):
+    for kind in parse_types(types, runtime):
         with rich_progress(err, enabled=not as_json and err.is_terminal) as progress:
             results.append(api.evaluate(model, data, base=base, ctx=ctx, windows=windows, device=device,
                                         runtime=runtime, kv_cache=kind, progress=progress))
@@ -145,13 +146,14 @@ def _eval_kv_caches(model, data, base, ctx, windows, device, runtime, types, as_
     trained = getattr(config, "max_position_embeddings", None)
     t = Table("K/V cache", "perplexity", "mean KLD", "top-1", f"cache at {ctx}", *([f"cache at {trained}"] if trained else []),
               title=f"{results[0].model} in {runtime} on {Path(data).name} ({results[0].windows} × {ctx} tokens, "
-                    "flash attention)")
+                    + ("flash attention)" if runtime == "llama.cpp" else
+                       f"fed {KV_CHUNK} tokens at a time through the cache)"))
     for r in results:
         kld = "–" if r.mean_kld is None else f"{r.mean_kld:.6f}"
         top1 = "–" if r.top1_agreement is None else f"{100 * r.top1_agreement:.2f} %"
         sizes = [f"{r.kv_cache_bytes / 2**20:.2f} MiB"]
         if trained:
-            sizes.append(f"{cache_bytes(config, trained, r.kv_cache) / 2**20:.1f} MiB")
+            sizes.append(f"{cache_bytes(config, trained, r.kv_cache, runtime) / 2**20:.1f} MiB")
         t.add_row(r.kv_cache, f"{r.perplexity:.4f}", kld, top1, *sizes)
     out.print(t)
     if results[0].base is not None:

@@ -131,10 +131,11 @@ class AWQBackend(Backend):
         return describe(Path(path))
 
     runtimes = ("transformers",)
+    kv_cache_runtimes = ("transformers",)
 
-    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor, kv_cache: str | None = None):
         from . import consumer
-        return consumer.window_logits(Path(path), tokens)
+        return consumer.window_logits(Path(path), tokens, kv_cache=kv_cache)
 
     runtime_packages = {"transformers": ("transformers", "gptqmodel")}
 

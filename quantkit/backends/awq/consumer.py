@@ -27,10 +27,14 @@ def load(folder: Path, dtype=torch.float32):
 
 
 @torch.no_grad()
-def window_logits(folder: Path, tokens: torch.Tensor, dtype=torch.float32):
+def window_logits(folder: Path, tokens: torch.Tensor, dtype=torch.float32, kv_cache: str | None = None):
     """Yield each window's logits (ctx, vocab) computed by transformers + GPTQModel (float32 by default, so a
-    comparison with quantkit's reader is about the weights)."""
+    comparison with quantkit's reader is about the weights; with `kv_cache`, fed through that K/V cache)."""
     model = load(Path(folder), dtype)
+    if kv_cache is not None:
+        from ...eval import transformers_cache
+        yield from transformers_cache.window_logits(model, tokens, kv_cache)
+        return
     with torch.compiler.set_stance("force_eager"):
         for row in tokens:
             yield model(row[None]).logits[0].float()

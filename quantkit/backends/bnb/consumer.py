@@ -36,8 +36,13 @@ def load(folder: Path, exact: bool = False):
 
 
 @torch.no_grad()
-def window_logits(folder: Path, tokens: torch.Tensor, exact: bool = False):
-    """Yield each window's logits (ctx, vocab) from transformers + bitsandbytes."""
+def window_logits(folder: Path, tokens: torch.Tensor, exact: bool = False, kv_cache: str | None = None):
+    """Yield each window's logits (ctx, vocab) from transformers + bitsandbytes.  With `kv_cache` the window is
+    fed through that K/V cache, computing in float32 (exact) so that the cache types compare at one precision."""
+    if kv_cache is not None:
+        from ...eval import transformers_cache
+        yield from transformers_cache.window_logits(load(Path(folder), exact=True), tokens, kv_cache)
+        return
     model = load(Path(folder), exact)
     for row in tokens:
         yield model(row[None]).logits[0].float()

@@ -46,12 +46,18 @@ def load(folder: Path, backend: str | None = None, dtype=torch.float32):
 
 
 @torch.no_grad()
-def window_logits(folder: Path, tokens: torch.Tensor, backend: str | None = None, dtype=torch.float32):
-    """Yield each window's logits (ctx, vocab) computed by transformers + GPTQModel.
+def window_logits(folder: Path, tokens: torch.Tensor, backend: str | None = None, dtype=torch.float32,
+                  kv_cache: str | None = None):
+    """Yield each window's logits (ctx, vocab) computed by transformers + GPTQModel (with `kv_cache`, fed through
+    that K/V cache: quantkit.eval.transformers_cache).
 
     float32 by default, so a comparison with quantkit's reader is about the weights: on the demo, half
     precision activations alone move 0.3 % (fp16) to 2.4 % (bf16) of top-1 predictions (measured)."""
     model = load(Path(folder), backend, dtype)
+    if kv_cache is not None:
+        from ...eval import transformers_cache
+        yield from transformers_cache.window_logits(model, tokens, kv_cache)
+        return
     # GPTQModel's torch kernel recompiles for every layer shape (minutes on a small model); eager is exact.
     with torch.compiler.set_stance("force_eager"):
         for row in tokens:
