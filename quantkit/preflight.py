@@ -60,6 +60,27 @@ def stream_bytes(model, samples: int, seqlen: int) -> int:
     return samples * seqlen * model.config.hidden_size * 4
 
 
+def layer_params(model) -> int:
+    """Weights of one decoder layer (the first: the pass holds one at a time)."""
+    return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+
+
+def pass_ram(model, seqlen: int) -> int:
+    """The calibration pass's own working set, shared by its jobs: one layer in float32 with the copy the
+    forwards run on, and one batch's MLP intermediates (gate, up, their product, the activation's output)."""
+    from .calibration.capture import batch_for
+    return layer_params(model) * 4 * 2 + batch_for(seqlen) * seqlen * model.config.intermediate_size * 4 * 4
+
+
+def pass_seconds(model, tokens: int, device) -> float:
+    """The pass's forwards: about two per layer over the calibration tokens (the layer's outputs, then the
+    linears' inputs for the statistics), at the matmul throughput probed here."""
+    from .calibration.capture import default_compute_dtype
+    from .device import matmul_flops
+    flops = matmul_flops(device, default_compute_dtype(device))
+    return 2 * 2 * layer_params(model) * tokens / flops * model.num_layers
+
+
 # a safetensors header entry (name, dtype, shape, offsets as JSON), config files, the record, the card
 _HEADER_PER_TENSOR, _FOLDER_FILES = 120, 64 * 1024
 

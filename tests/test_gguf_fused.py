@@ -178,9 +178,11 @@ def test_shapes_seen_without_building_do_not_use_up_kernel_slots(tmp_path, monke
     f = fusion.fused(triple)
     monkeypatch.setenv("QUANTKIT_COMPILE", "auto")
     fusion.plan_work(0)
-    for m in (512, 1024, 2048, 4096):
+    before = fusion.missing_kernels()
+    for m in (512, 1024, 2048, 4096, 4096, 100):     # a repeat, and a shape that never gets a kernel
         assert torch.equal(f(torch.ones(2, m)), torch.full((2, m), 3.0))
     assert built == [] and f.verdict == {}
+    assert fusion.missing_kernels() - before == 4      # what the dry run's time estimate counts as to be built
     monkeypatch.setenv("QUANTKIT_COMPILE", "1")
     f(torch.ones(2, 8192))
     assert built == [8192]                              # attempted (the stub builds nothing, so no kernel)

@@ -56,6 +56,18 @@ def test_dry_run_reports_the_run_and_what_is_here(model, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_an_importance_matrix_adds_its_pass_to_the_gguf_estimate(model, tmp_path):
+    """GGUF with --imatrix is a calibrated job: the pass's working set and forwards are counted, and its
+    encoders are timed weighted (they search differently with an importance vector)."""
+    folder, text = model
+    common = ["convert", str(folder), "-f", "gguf:Q8_0", "--calib", str(text), "--calib-samples", "4",
+              "--calib-seqlen", "32", "--dry-run", "--json", "-o", str(tmp_path / "o")]
+    plain, weighted = (json.loads(run_cli(*common, *extra).stdout) for extra in ([], ["--imatrix"]))
+    assert weighted["run"]["peak_ram_bytes"] > plain["run"]["peak_ram_bytes"]
+    assert weighted["run"]["disk_temporary_bytes"] == 2 * 4 * 32 * 64 * 4 and plain["run"]["disk_temporary_bytes"] == 0
+    assert "importance matrix's pass" in weighted["plans"][0]["extra"]["time (estimate)"]
+
+
 @pytest.mark.parametrize("what, patch, fragment", [
     ("disk", "free_disk", "GiB of disk"),
     ("memory", "available_ram", "GiB of RAM"),

@@ -10,12 +10,12 @@ import torch
 from .. import Backend, Plan
 from ..hf_folder import plan_rows
 from ...artifact import model_stem
-from ...calibration.capture import batch_for, default_compute_dtype
+from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...model.block import MoE
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_ram, pass_seconds, stream_bytes
 from . import spec as awq_spec
 from .algorithm import AWQSettings
 from .job import AWQJob
@@ -147,31 +147,28 @@ class AWQBackend(Backend):
                 (fp32, lambda: TransformersSession(consumer.load(Path(path), torch.float32), fp32))]
 
 
-def _layer_params(model) -> int:
-    return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-
-
 def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
-    weights = _layer_params(model) * 4 * 3     # the layer in float32, the scaled copy, the dequantized one
+    dequantized = layer_params(model) * 4      # beside the pass's layer and its scaled copy
     if rtn:
+        weights = 3 * dequantized
         return f"{(weights + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights, 0
     stream = stream_bytes(model, samples, seqlen)
     outputs = 2 * stream                       # the sub-block's reference and candidate outputs
-    inter = batch_for(seqlen) * seqlen * cfg.intermediate_size * 4 * 4
+    shared = pass_ram(model, seqlen)
     second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
-    total = stream + outputs + weights + inter + second_moments + RUNTIME_BYTES
+    total = stream + outputs + shared + dequantized + second_moments + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "
             f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)",
-            inter, stream + outputs + weights + second_moments, stream)
+            shared, stream + outputs + dequantized + second_moments, stream)
 
 
 def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool,
                    device: torch.device) -> tuple[float, float]:
     """(shared forwards, own work): the capture pass (about two forwards per layer) plus the scale search, which runs each sub-block behind
     a norm once per candidate (grid + 2) on its search windows — about that many more forwards of the layer."""
-    params = _layer_params(model)
+    params = layer_params(model)
     if rtn:
         return 0.0, params * model.num_layers * 5e-9
     flops = matmul_flops(device, default_compute_dtype(device))
@@ -179,7 +176,7 @@ def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool,
     search = (s.grid + 2) * 2 * params * searched / flops if s.search_scales else 0.0
     cfg = model.config
     moments = 2 * tokens * (3 * cfg.hidden_size ** 2 + cfg.intermediate_size ** 2) / (flops / 4)
-    return 2 * 2 * params * tokens / flops * model.num_layers, (search + moments) * model.num_layers
+    return pass_seconds(model, tokens, device), (search + moments) * model.num_layers
 
 
 BACKEND = AWQBackend()

@@ -14,7 +14,7 @@ from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_seconds, stream_bytes
 from . import spec as exl2_spec
 from .job import EXL2Job
 from .layout import check_model, head_name, slots
@@ -153,8 +153,7 @@ _MEASUREMENT_BYTES_PER_LAYER = 12 * 1024     # measurement.json: two sub-blocks'
 def _memory_estimate(model, samples: int, seqlen: int) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
-    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-    candidates = layer * 4 * 2                          # one sub-block's candidate weights + the working copy
+    candidates = layer_params(model) * 4 * 2                          # one sub-block's candidate weights + the working copy
     stream = stream_bytes(model, samples, seqlen)
     head = cfg.vocab_size * cfg.hidden_size * 4 * 3     # the head's weights, its quantized copy and its errors
     total = stream * 3 + candidates + head + RUNTIME_BYTES
@@ -167,9 +166,9 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
     """(shared forwards, own work): two forwards per layer per pass, the measurement's sub-block re-runs (one per option) on its windows,
     and the quantizations (each an act-order GPTQ over the layer's rows, ~K² · N multiply-adds)."""
     flops = matmul_flops(device, default_compute_dtype(device))
-    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+    layer = layer_params(model)
     tokens = samples * seqlen
-    forward = 2 * 2 * layer * tokens / flops
+    forward = pass_seconds(model, tokens, device) / model.num_layers
     per_layer = forward * 2
     if measure:
         windows = min(samples, s.measure_samples or samples)

@@ -16,7 +16,7 @@ from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, stream_bytes
+from ...preflight import RUNTIME_BYTES, Resources, pass_ram, pass_seconds, stream_bytes
 from ...progress import Progress, null_progress
 from . import encoders, fusion, mixtures
 from .reader import GGUFModel, describe
@@ -94,8 +94,9 @@ class GGUFBackend(Backend):
         if len(paths) > 1:
             plan.extra["split"] = (f"{len(paths)} files of at most {settings.split_max_bytes / 1e9:g} GB of tensor "
                                    f"data ({paths[0].name} … {paths[-1].name}); llama.cpp loads the first")
-        plan.extra["peak memory (estimate)"] = f"{(largest * 4 * 3 + RUNTIME_BYTES) / 2**30:.2f} GiB " \
-                                               f"(largest tensor {largest:,} weights in float32, ×3, + runtime)"
+        plan.extra["peak memory (estimate)"] = f"{(largest * ENCODE_BYTES_PER_WEIGHT + RUNTIME_BYTES) / 2**30:.2f} " \
+                                               f"GiB (largest tensor {largest:,} weights, {ENCODE_BYTES_PER_WEIGHT} " \
+                                               f"bytes each while encoded, + runtime)"
         windowed = [i for i, slides in enumerate(sliding_layers(model)) if slides]
         if windowed and model.adapter.gguf_arch in ("llama", "phi3"):
             window = model.block(windowed[0]).residuals[0].op.window
@@ -113,16 +114,25 @@ class GGUFBackend(Backend):
         fused_n = sum(int(np.prod(r.shape)) for r in rows
                       if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
-        seconds = 0.0
+        seconds = collect = 0.0
         if settings.run.estimate_time:      # a dry run: timing the encoders costs a second or two
-            seconds = _estimate_seconds(rows, device)
-            plan.extra["time (estimate)"] = f"{seconds:.0f} s on {device}" + (
-                " at eager speed; the built kernels run the K-quants 2-4x faster" if compiled else "")
-        plan.resources = Resources(own_ram=largest * 4 * 3, own_seconds=seconds, on_device=device.type == "cuda",
+            seconds, missing = _estimate_seconds(rows, device, settings.imatrix)
+            text = f"{seconds:.0f} s on {device}"
+            if compiled and missing:
+                seconds += missing * fusion.BUILD_SECONDS
+                text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built on the way (~"
+                        f"{fusion.BUILD_SECONDS:.0f} s each, once per machine)")
+            if settings.imatrix:
+                collect = pass_seconds(model, settings.run.calib_samples * settings.run.calib_seqlen, device)
+                text += f" + {collect:.0f} s for the importance matrix's pass"
+            plan.extra["time (estimate)"] = text
+        plan.resources = Resources(own_ram=largest * ENCODE_BYTES_PER_WEIGHT, own_seconds=seconds,
+                                   on_device=device.type == "cuda",
                                    final_disk=plan.total_bytes + _metadata_bytes(model, len(rows)))
         if settings.imatrix:   # the pass that collects it: one stream, statistics of a few vectors per linear
-            plan.resources.calibrated, plan.resources.stream = True, stream_bytes(
-                model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r = plan.resources
+            r.calibrated, r.shared_ram, r.shared_seconds = True, pass_ram(model, settings.run.calib_seqlen), collect
+            r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
@@ -197,6 +207,11 @@ def _split_override(text: str) -> tuple[str, str]:
     return pattern, qtype
 
 
+# a tensor being encoded: its float32 copy, the source it was read from, the encoders' working rows and the
+# encoded bytes (demo: 5.6 bytes per weight of token_embd above the process's size; bench/results/preflight.md)
+ENCODE_BYTES_PER_WEIGHT = 6
+
+
 def _metadata_bytes(model, tensors: int) -> int:
     """The key-value section and the tensor infos: mostly the vocabulary and merges, which take about what
     they take in tokenizer.json (bench/results/preflight.md); plus alignment padding per tensor."""
@@ -205,21 +220,25 @@ def _metadata_bytes(model, tensors: int) -> int:
     return vocab + tensors * (96 + 32) + 4096
 
 
-def _estimate_seconds(rows, device: torch.device) -> float:
-    """Time a small slab of each type on this machine and scale by the number of weights of that type."""
-    by_type: dict[str, int] = {}
+def _estimate_seconds(rows, device: torch.device, imatrix: bool) -> tuple[float, int]:
+    """(seconds, fused kernels missing here): time one full chunk of each type on this machine (weighted by an
+    importance vector where the run will weight it: the decoder layers' linears) and scale by the number of
+    weights of that type.  The probe runs the kernels that are built; those it wanted and lacked are counted."""
+    by_type: dict[tuple[str, bool], int] = {}
     for r in rows:
-        by_type[r.kind] = by_type.get(r.kind, 0) + int(np.prod(r.shape))
-    total = 0.0
-    for kind, n in by_type.items():
+        key = (r.kind, imatrix and r.tensor.startswith("blk."))
+        by_type[key] = by_type.get(key, 0) + int(np.prod(r.shape))
+    total, before = 0.0, fusion.missing_kernels()
+    for (kind, weighted), n in by_type.items():
         qtype = gguf.GGMLQuantizationType[kind]
         width = 256 if gguf.GGML_QUANT_SIZES[qtype][0] <= 256 else gguf.GGML_QUANT_SIZES[qtype][0]
-        x = torch.randn(256, width * 16, device=device)     # about one chunk
-        encoders.quantize(x[:8], qtype)                      # first-call set-up is not per weight
+        x = torch.randn(256, width * 16, device=device)     # one chunk
+        weights = torch.rand(width * 16, device=device) + 0.1 if weighted else None
+        encoders.quantize(x[:8], qtype, imatrix=weights)    # first-call set-up is not per weight
         t0 = time.perf_counter()
-        encoders.quantize(x, qtype)
+        encoders.quantize(x, qtype, imatrix=weights)
         total += (time.perf_counter() - t0) * n / x.numel()
-    return total
+    return total, fusion.missing_kernels() - before
 
 
 BACKEND = GGUFBackend()

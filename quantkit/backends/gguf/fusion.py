@@ -44,7 +44,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "AUTO_MIN_ELEMENTS"]
+__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "missing_kernels",
+           "AUTO_MIN_ELEMENTS", "BUILD_SECONDS"]
 
 
 # Building a kernel costs ~7 s (2 cores), once per machine, so by default
@@ -54,6 +55,10 @@ __all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile"
 # speed, never the bytes.
 AUTO_MIN_ELEMENTS = 100_000_000
 _planned_elements = 0
+# what building one kernel takes on a 2-core machine (measured: bench/results/preflight.md), for the dry run's
+# time estimate of a first run
+BUILD_SECONDS = 7.0
+_ALL: list = []           # every fused function, for missing_kernels()
 
 
 def plan_work(elements: int) -> bool:
@@ -217,6 +222,7 @@ class _Fused:
     shape) runs eagerly.  The tensors' last dimension is the blocks."""
 
     def __init__(self, fn: Callable, eager: Callable | None = None):
+        _ALL.append(self)
         self.fn = fn
         # what runs without a kernel; by default fn itself, else a vectorized
         # formulation of the same step that runs faster op by op
@@ -289,6 +295,13 @@ class _Fused:
             return out
         kernel = self.kernels[full]
         return kernel(args) if kernel is not None else self.eager(*args)
+
+
+def missing_kernels() -> int:
+    """Kernels this process has wanted and found neither loaded nor built (calls ran eagerly instead): after a
+    dry run's probe of the encoders on full chunks, the ones a real run would build.  Full chunks have the same
+    shapes whatever the model, so the probe wants the kernels the run will."""
+    return sum(len(f.absent) for f in _ALL)
 
 
 def _bits_equal(a, b) -> bool:

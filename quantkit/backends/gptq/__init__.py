@@ -11,11 +11,11 @@ import torch
 from .. import Backend, Plan
 from ..hf_folder import plan_rows
 from ...artifact import model_stem
-from ...calibration.capture import batch_for, default_compute_dtype
+from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, stream_bytes
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_ram, pass_seconds, stream_bytes
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings, gptq_quantize
 from .job import GPTQJob
@@ -154,32 +154,28 @@ class GPTQBackend(Backend):
 def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
-    layer = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
-    weights_fp32 = layer * 4 * 2  # the layer in float32 plus the stacked copy GPTQ works on
+    weights_fp32 = layer_params(model) * 4 * 2  # the layer in float32 plus the stacked copy GPTQ works on
     if rtn:
         return f"{(weights_fp32 + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights_fp32, 0
     stream = stream_bytes(model, samples, seqlen)
-    batch_tokens = batch_for(seqlen) * seqlen
-    inter = batch_tokens * cfg.intermediate_size * 4 * 4
+    shared = pass_ram(model, seqlen)
     hessian = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
-    total = stream + weights_fp32 + inter + hessian + RUNTIME_BYTES
+    total = stream + shared + hessian + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + one layer + "
-            f"one batch + Hessians + runtime)", weights_fp32 + inter, stream + hessian, stream)
+            f"one batch + Hessians + runtime)", shared, stream + hessian, stream)
 
 
 def _time_estimate(model: Checkpoint, tokens: int, s: GPTQSettings, rtn: bool,
                    device: torch.device) -> tuple[float, float]:
     """(the pass's forwards, shared with the run's other calibrated jobs; this job's own work): matmul throughput
     probed here × the FLOPs, plus the column loop timed here on the layer's largest linear."""
-    params = sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
     loop = _probe_column_loop(model, s, device) * model.num_layers
     if rtn:
         return 0.0, loop / 4
     flops = matmul_flops(device, default_compute_dtype(device))
-    # about two forward passes per layer, plus X^T X in float32 (counted at a quarter of the bf16 rate)
-    forward = 2 * 2 * params * tokens / flops
+    # X^T X in float32, counted at a quarter of the bf16 rate
     hessian = 2 * tokens * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)
-    return forward * model.num_layers, hessian * model.num_layers + loop
+    return pass_seconds(model, tokens, device), hessian * model.num_layers + loop
 
 
 def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device) -> float:
