@@ -168,7 +168,7 @@ def test_shipped_recipes_validate_and_plan():
     r = run_cli("run", str(ROOT / "recipes" / "demo.yaml"), "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
     assert [j["format"] for j in json.loads(r.stdout)["planned"]] == \
-        ["gguf:Q4_K_M", "gguf:Q8_0", "gptq:4bit-g128", "bnb:nf4", "bnb:int8"]
+        ["gguf:Q4_K_M", "gguf:Q8_0", "gptq:4bit-g64", "bnb:nf4", "bnb:int8"]
 
 
 def comparable(output: Path) -> dict[str, dict]:

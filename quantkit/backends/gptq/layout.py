@@ -45,7 +45,8 @@ def check_linear(lin: StoredLinear, s: GPTQSettings) -> list[str]:
             raise UsageError(f"gptq group size {s.group_size} does not divide the input dimension {k} of {lin.name}; "
                              f"use a divisor of {k} or a power of two (the last group is then partial)")
         notes.append(f"input dimension {k} is not a multiple of the group size {s.group_size}: the last group is "
-                     f"partial (transformers + GPTQModel and exllamav2 load it, vLLM does not)")
+                     f"partial (transformers loads it with GPTQConfig(backend='torch'), not by its default CPU "
+                     f"kernel; exllamav2 loads it, vLLM does not); a group size dividing {k} loads everywhere")
     return notes
 
 
