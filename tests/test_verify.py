@@ -87,3 +87,20 @@ def test_a_runtime_not_installed_is_said_and_an_unknown_one_refused(artifacts, m
     assert "no_such_module_here" in report.runtimes[0].why
     r = run_cli("verify", str(gguf), "--runtime", "vllm")
     assert r.returncode == 2 and "gguf artifacts run in llama.cpp" in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["bnb:nf4", "bnb:int8", pytest.param("awq:4bit-g32", marks=needs_gptqmodel)])
+def test_bnb_and_awq_folders_pass_in_transformers(fmt, tmp_path):
+    """The other HF-folder formats in their runtime, on a small fitted llama (decisive predictions)."""
+    from conftest import TINY_TEXT, make_checkpoint
+    src = make_checkpoint(tmp_path / "src", hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=64,
+                          train_steps=100)
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_TEXT * 3)
+    (folder,) = api.convert(str(src), [fmt], tmp_path / "out",
+                            options={"calib": str(text), "calib_samples": 4, "calib_seqlen": 32, "device": "cpu"})
+    report = api.verify(folder, base=str(src), tokens=64, generate=2)
+    (check,) = report.runtimes
+    assert report.passed and check.runtime == "transformers" and check.verdict == "pass", check
+    assert check.figures["top1_agreement"] >= 0.95 and check.figures["decode_tokens_per_s"] > 0
+    assert read_record(folder)["verify"]["passed"]
