@@ -24,6 +24,16 @@ def fitted(tmp_path_factory):
                            kv_heads=2, vocab=64, layers=2, train_steps=100)
 
 
+@pytest.fixture(scope="module")
+def nf4(fitted, tmp_path_factory):
+    """A bnb folder of the fitted model, and a text to evaluate it on."""
+    out = tmp_path_factory.mktemp("kv-nf4")
+    (folder,) = api.convert(str(fitted), ["bnb:nf4"], out / "out", options={"device": "cpu"})
+    text = out / "eval.txt"
+    text.write_text(TINY_TEXT * 8)
+    return folder, text
+
+
 def _hf(folder):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -55,11 +65,9 @@ def test_the_cache_holds_the_bytes_the_size_table_gives(fitted, kind):
 
 
 @needs_quanto
-def test_a_quantized_cache_costs_agreement_in_the_order_of_its_bits(fitted, tmp_path):
+def test_a_quantized_cache_costs_agreement_in_the_order_of_its_bits(fitted, nf4):
     """End to end: a bnb folder of the fitted model evaluated in transformers with each cache type."""
-    (folder,) = api.convert(str(fitted), ["bnb:nf4"], tmp_path / "out", options={"device": "cpu"})
-    text = tmp_path / "eval.txt"
-    text.write_text(TINY_TEXT * 8)
+    folder, text = nf4
     results = {k: api.evaluate(str(folder), text, base=str(fitted), ctx=128, windows=2, device="cpu",
                                runtime="transformers", kv_cache=k) for k in ("f32", "fp8", "int4", "int2")}
     assert all(r.kv_cache == k and r.runtime == "transformers" for k, r in results.items())
@@ -69,11 +77,9 @@ def test_a_quantized_cache_costs_agreement_in_the_order_of_its_bits(fitted, tmp_
     assert sizes == sorted(sizes, reverse=True)
 
 
-def test_cache_types_are_the_runtimes_own(fitted, tmp_path):
+def test_cache_types_are_the_runtimes_own(nf4):
     from quantkit.errors import UsageError
-    (folder,) = api.convert(str(fitted), ["bnb:nf4"], tmp_path / "out", options={"device": "cpu"})
-    text = tmp_path / "eval.txt"
-    text.write_text(TINY_TEXT * 8)
+    folder, text = nf4
     with pytest.raises(UsageError, match="f32, fp8, int4, int2"):
         api.evaluate(str(folder), text, ctx=32, windows=1, runtime="transformers", kv_cache="q8_0")
     with pytest.raises(UsageError, match="--runtime transformers"):
