@@ -132,7 +132,8 @@ def main() -> None:
         for run in [RUNS[i] for i in picked] if picked else RUNS:
             formats = [f for f in run if not f.startswith("-")]
             r = measure(model, run, a.work / "out", common)
-            r.update(model=label, formats=" + ".join(formats) + (" --imatrix" if "--imatrix" in run else ""))
+            r.update(model=label, formats=" + ".join(formats) + (" --imatrix" if "--imatrix" in run else ""),
+                     date=dt.date.today().isoformat())
             r["ratios"] = {name: round(r["estimate"][e] / max(r["measured"][m], 1e-9), 3) for name, e, m in FIGURES}
             rows.append(r)
             print(r["model"], r["formats"], r["ratios"], flush=True)
@@ -143,7 +144,21 @@ def main() -> None:
     write_results(rows, a)
 
 
+def merged(rows: list[dict]) -> list[dict]:
+    """This invocation's rows, and the committed rows it did not measure again (a long benchmark is rerun a few
+    rows at a time); in the committed order, new rows last."""
+    try:
+        old = json.loads((RESULTS / "preflight.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        old = []
+    key = lambda r: (r["model"], r["formats"])
+    fresh = {key(r): r for r in rows}
+    kept = [fresh.pop(key(r), r) for r in old]
+    return kept + list(fresh.values())
+
+
 def write_results(rows: list[dict], a) -> None:
+    rows = merged(rows)
     meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "calibration": f"{a.samples} × {a.seqlen} tokens of {CALIB.name}"}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -155,12 +170,12 @@ def write_results(rows: list[dict], a) -> None:
              "Ratio = estimate / measured; goal 0.8-1.2.  RAM: the child's peak RSS (VmHWM, read every 20 ms while it runs).  Disk final: the output folder "
              "after the run.  Disk peak: the folder's largest size during the run (partial folders and the "
              "crash-resume commit points included; sampled every 0.1 s).  Time: wall time of the child.", "",
-             "| model | formats | RAM est / meas (GiB) | ratio | disk final est / meas (GiB) | ratio | "
+             "| model | formats | measured | RAM est / meas (GiB) | ratio | disk final est / meas (GiB) | ratio | "
              "disk peak est / meas (GiB) | ratio | time est / meas (s) | ratio |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         e, m, q = r["estimate"], r["measured"], r["ratios"]
-        lines.append(f"| {r['model']} | {r['formats']} | {gib(e['peak_ram_bytes'])} / {gib(m['rss'])} | "
+        lines.append(f"| {r['model']} | {r['formats']} | {r.get('date', '2026-12-02')} | {gib(e['peak_ram_bytes'])} / {gib(m['rss'])} | "
                      f"{q['peak RAM']} | {gib(e['disk_final_bytes'])} / {gib(m['final'])} | {q['disk final']} | "
                      f"{gib(e['disk_bytes'])} / {gib(m['disk_peak'])} | {q['disk peak']} | "
                      f"{e['seconds']:.0f} / {m['wall']:.0f} | {q['time']} |")

@@ -10,11 +10,11 @@ import logging
 from . import __version__
 from .device import resolve_device
 from .backends import Plan, backend_for_artifact, parse_format_spec, registered_backends, PLANNED
-from .errors import INTERRUPTS, OutputError, UsageError
+from .errors import INTERRUPTS, OutputError, QuantkitError, UsageError
 from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
 from .model.checkpoint import Checkpoint
 from .model.source import open_model
-from .preflight import Resources, RunEstimate, check as check_resources, combine, note_startup
+from .preflight import Resources, RunEstimate, calibration_seconds, check as check_resources, combine, note_startup
 from .progress import Progress, null_progress
 
 log = logging.getLogger("quantkit")
@@ -168,7 +168,16 @@ def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = 
     options = {**(options or {}), "estimate_time": True}
     settings = _settings(parsed, options)
     model = open_model(spec)
-    return [b.plan(model, v, Path(out), settings[b.name]) for b, _, v in parsed]
+    plans = [b.plan(model, v, Path(out), settings[b.name]) for b, _, v in parsed]
+    calibrated = [p.resources for p in plans if p.resources is not None and p.resources.calibrated]
+    if calibrated and options.get("calib"):
+        try:
+            setup = calibration_seconds(model, calibration_spec(options, [f"{p.format}:{p.variant}" for p in plans]))
+        except QuantkitError:    # bad calibration data is the real run's error to give, with its own message
+            setup = 0.0
+        for r in calibrated:
+            r.setup_seconds = setup
+    return plans
 
 
 def estimate(plans: list[Plan], options: dict | None = None) -> RunEstimate:
@@ -346,8 +355,9 @@ def _run_checkpoint(model, items, collectors, options, calibration, outputs, out
     return checkpoint, point, saved
 
 
-# options that change nothing in the artifacts' bytes: a rerun with other values still resumes
-_NOT_IN_MANIFEST = {"resume", "estimate_time", "push_to_hub", "token", "preflight"}
+# options that change nothing in the artifacts' bytes: a rerun with other values still resumes (--imatrix-out
+# changes only a metadata string, written when the run ends, not what the pass collects)
+_NOT_IN_MANIFEST = {"resume", "estimate_time", "push_to_hub", "token", "preflight", "imatrix_out", "imatrix_format"}
 
 
 def _parse_formats(formats: list[str]):

@@ -29,3 +29,4 @@ def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return 4 * 2 * 1024 ** 3 / (time.perf_counter() - t0)
+

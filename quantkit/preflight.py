@@ -1,8 +1,9 @@
 """What a run will take, said before it starts, and a refusal up front when the machine cannot hold it.
 
 Each format's plan carries a `Resources` estimate of its own job.  A run combines them the way the run goes:
-the calibrated formats share one calibration pass (the pass's working set and forwards once, each artifact's
-own stream, statistics and work on top), the others run one after another once the pass is over.  The disk a
+the calibrated formats share one calibration pass (the layer read once, its working set held once, each
+artifact's own stream, statistics and work on top; each walks the layer with its own stream, so the forwards are
+counted per artifact), the others run one after another once the pass is over.  The disk a
 run needs is every artifact's final bytes, which are written in place under `.partial-*` names, plus the crash-
 resume commit points beside them (two generations of every calibrated artifact's stream)."""
 from __future__ import annotations
@@ -25,26 +26,31 @@ CALIBRATION_LOAD_BYTES = 160 * 2**20
 
 @dataclass
 class Resources:
-    """One format job's estimate.  `shared_*` is what a calibrated job has in common with the run's other
-    calibrated jobs (the pass: one layer read and its working copy, one batch, the forwards); `own_*` is its
-    alone.  Uncalibrated jobs put everything in `own_*` and share nothing."""
+    """One format job's estimate.  `shared_ram` is what a calibrated job has in common with the run's other
+    calibrated jobs (the pass: one layer read and its working copy, one batch); `forward_seconds` its walk of
+    the layers with its own stream; `own_*` the rest of its work.  Uncalibrated jobs put everything in `own_*`."""
     own_ram: int = 0
     shared_ram: int = 0
     own_seconds: float = 0.0
-    shared_seconds: float = 0.0
+    forward_seconds: float = 0.0
     final_disk: int = 0         # the artifact as written: tensors, headers, tokenizer, configs, record
     scratch_disk: int = 0       # beside it while the run goes: commit points for crash resume
     stream: int = 0             # a calibrated job's hidden states: what a commit point copies and writes
+    setup_seconds: float = 0.0  # a calibrated run's tokenizer and calibration tokens, loaded once for all its jobs
+    after_pass_ram: int = 0     # a calibrated job's work once the pass is over (GGUF --imatrix encodes then)
     calibrated: bool = False    # in the calibration pass (with the other calibrated jobs) or after it, alone
     on_device: bool = False     # a CUDA run: the working set (shared + own) is on the GPU as well
 
 
-_startup = {"seconds": 0.0}
+_startup = {"seconds": 0.0, "rss": 0}
 
 
 def note_startup() -> None:
-    """Record how long this process took to get here (interpreter, torch, transformers, quantkit imported): a run
-    pays it too, and it is measured rather than guessed (tens of seconds on a busy 2-core machine)."""
+    """Record how long this process took to get here (interpreter, torch, transformers, quantkit imported) and
+    what it holds: a run pays both too, and they are measured rather than guessed (tens of seconds on a busy
+    2-core machine).  The RSS is taken before the plans' probes, which leave memory behind that a run's base
+    does not have."""
+    _startup["rss"] = _own_rss()
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -72,13 +78,91 @@ def pass_ram(model, seqlen: int) -> int:
     return layer_params(model) * 4 * 2 + batch_for(seqlen) * seqlen * model.config.intermediate_size * 4 * 4
 
 
-def pass_seconds(model, tokens: int, device) -> float:
-    """The pass's forwards: about two per layer over the calibration tokens (the layer's outputs, then the
-    linears' inputs for the statistics), at the matmul throughput probed here."""
-    from .calibration.capture import default_compute_dtype
-    from .device import matmul_flops
-    flops = matmul_flops(device, default_compute_dtype(device))
-    return 2 * 2 * layer_params(model) * tokens / flops * model.num_layers
+def pass_seconds(model, samples: int, seqlen: int, device) -> float:
+    """One calibrated job's walk through the layers: its forwards over every calibration window (each job runs
+    its own, on its own stream), timed here on layer 0 with the pass's own code and a job that does nothing,
+    then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out 5-12x short on the demo:
+    its small matmuls, attention, norms and copies run far from that rate."""
+    per_layer, per_window = layer_walk(model, seqlen, device)
+    return (per_layer + per_window * samples) * model.num_layers
+
+
+def layer_walk(model, seqlen: int, device) -> tuple[float, float]:
+    """(seconds to read a layer and make its working copy, seconds per calibration window of its staged walk,
+    about two forwards of the layer), probed once per model and window length in this process."""
+    key = (str(model.folder), seqlen, str(device))
+    if key not in _pass_probe:
+        _pass_probe[key] = _time_layer_walk(model, seqlen, device)
+    return _pass_probe[key]
+
+
+_pass_probe: dict[tuple, float] = {}
+
+
+def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
+    """quantize_layer with a job that observes and quantizes nothing, on up to 2048 tokens at a time as the pass
+    batches them, after a warm-up."""
+    import time
+
+    import torch
+
+    from .calibration.capture import batch_for, default_compute_dtype, quantize_layer, working_weights
+    from .calibration.context import LayerContext
+    from .calibration.jobs import PassJob
+    from .model.engine import Runtime
+    dtype = default_compute_dtype(device)
+    t0 = time.perf_counter()
+    block, source = model.block(0), model.layer(0)
+    weights = working_weights(block, source, device, dtype)
+    per_layer = time.perf_counter() - t0
+    runtime = Runtime(seqlen, device, dtype)
+    windows = max(1, min(batch_for(seqlen), 2048 // seqlen))
+    generator = torch.Generator().manual_seed(0)
+    seconds = 0.0
+    for n in (1, windows):       # the first walk pays for allocations and kernel choices: not timed
+        stream = torch.randn(n, seqlen, model.config.hidden_size, generator=generator)
+        ctx = LayerContext(0, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
+        t0 = time.perf_counter()
+        quantize_layer(ctx, PassJob())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - t0) / n
+    return per_layer, seconds
+
+
+def column_loop_cost(quantize_rows, rows: int, columns: int):
+    """cost(rows, columns) in seconds of a column-by-column quantizer (GPTQ's, EXL2's) here: a fixed amount per
+    column (the loop's Python steps and launches) plus an amount per weight, solved from timing
+    `quantize_rows(r)` on the first r rows of a probe matrix of `columns` columns at `rows` and at an eighth of
+    it, after a warm-up (first-call set-up is not per column)."""
+    import time
+    quantize_rows(8)
+
+    def timed(r: int) -> float:
+        t0 = time.perf_counter()
+        quantize_rows(r)
+        return time.perf_counter() - t0
+    low, high = max(8, rows // 8), rows
+    t_low, t_high = timed(low), timed(high)
+    per_weight = max(t_high - t_low, 0.0) / (max(high - low, 1) * columns)
+    per_column = max(t_low - per_weight * low * columns, 0.0) / columns
+    return lambda r, c: c * (per_column + per_weight * r)
+
+
+def calibration_seconds(model, spec) -> float:
+    """Loading the tokenizer and drawing the calibration windows, timed here by doing it: for a local text file
+    the same work the run does (seconds on a large file); for a Hub dataset or `self` only the tokenizer, since a
+    download or a generation cannot be timed without doing it."""
+    import time
+
+    from .calibration.data import read_file_documents, windows_from_documents
+    t0 = time.perf_counter()
+    tokenizer = model.tokenizer
+    source = spec.parsed
+    if source.kind not in ("hf", "self"):
+        documents, _ = read_file_documents(source, spec.text_column)
+        windows_from_documents(tokenizer, documents, spec, source.text)
+    return time.perf_counter() - t0
 
 
 # a safetensors header entry (name, dtype, shape, offsets as JSON), config files, the record, the card
@@ -124,16 +208,18 @@ def combine(estimates: list[Resources], device: str, resume: bool = True) -> Run
     calibrated = [r for r in estimates if r.calibrated]
     others = [r for r in estimates if not r.calibrated]
     copies = sum(r.stream for r in calibrated) if resume else 0
-    runtime = max(_own_rss(), 200 * 2**20)
+    runtime = max(_startup["rss"] or _own_rss(), 200 * 2**20)
     pass_ram = (runtime + CALIBRATION_LOAD_BYTES + max((r.shared_ram for r in calibrated), default=0)
                 + sum(r.own_ram for r in calibrated) + copies) if calibrated else 0
-    peak_ram = max([pass_ram] + [runtime + r.own_ram for r in others])
+    after_pass = [runtime + CALIBRATION_LOAD_BYTES + r.after_pass_ram for r in calibrated]
+    peak_ram = max([pass_ram] + after_pass + [runtime + r.own_ram for r in others])
     on_gpu = [r for r in estimates if r.on_device]
     pass_device = max((r.shared_ram for r in on_gpu if r.calibrated), default=0) + \
         sum(r.own_ram for r in on_gpu if r.calibrated)
     peak_device = max([pass_device] + [r.own_ram for r in on_gpu if not r.calibrated])
-    seconds = (_startup["seconds"] + max((r.shared_seconds for r in calibrated), default=0.0)
-               + sum(r.own_seconds for r in calibrated) + sum(r.own_seconds for r in others))
+    seconds = (_startup["seconds"] + max((r.setup_seconds for r in calibrated), default=0.0)
+               + sum(r.forward_seconds + r.own_seconds for r in calibrated)
+               + sum(r.own_seconds for r in others))
     return RunEstimate(peak_ram, peak_device, sum(r.final_disk for r in estimates),
                        sum(r.scratch_disk for r in estimates) + 2 * copies, seconds, device)
 

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import TINY_TEXT, make_checkpoint
@@ -147,6 +148,18 @@ def _gguf_tensor_type(data):
 _world_gguf: dict = {}
 
 
+def _imatrix(w: World, width: int, cut: int = 0) -> dict:
+    """An importance matrix for the world's model layout with rows `width` long (64 fits), its last `cut` bytes
+    cut off."""
+    from quantkit.backends.gguf import imatrix_file as imf
+    entries = {f"blk.{i}.{n}.weight": imf.Entry(np.ones((1, width), np.float32), np.array([32]))
+               for i in range(2) for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
+    path = imf.save(imf.Imatrix(entries, ["calib.txt"], 1, 32), w.tmp / "imatrix.gguf")
+    if cut:
+        path.write_bytes(path.read_bytes()[:-cut])
+    return {"bad": path}
+
+
 def _hub_with_tokens(w: World):
     """The local Hub stand-in (tests/hub_standin.py), which knows one write token; the row pushes with another."""
     from hub_standin import HubStandIn
@@ -220,6 +233,13 @@ ROWS = [
     ("no format at all", CONVERT, None, 2, "-f"),
     ("option of a format not in the run", [*CONVERT, "-f", "gguf:Q8_0", "--act-order"], None, 2, "--act-order"),
     ("--imatrix without --calib", [*CONVERT, "-f", "gguf:Q8_0", "--imatrix"], None, 2, "--calib"),
+    ("--imatrix-file missing", [*CONVERT, *GGUF, "--imatrix-file", "{tmp}/none.gguf"], None, 2, "none.gguf: no such file"),
+    ("--imatrix-file given a model GGUF", [*CONVERT, *GGUF, "--imatrix-file", "{gguf}"], None, 2,
+     "not an importance matrix"),
+    ("--imatrix-file truncated", [*CONVERT, *GGUF, "--imatrix-file", "{bad}"], lambda w: _imatrix(w, 64, cut=100), 2,
+     "not a readable GGUF"),
+    ("--imatrix-file of another model", [*CONVERT, *GGUF, "--imatrix-file", "{bad}"], lambda w: _imatrix(w, 96), 2,
+     "the matrix is from another model"),
     ("EXL2 measurement file missing", [*CONVERT, "-f", "exl2:4.0bpw", *CALIB, "--measurement", "{tmp}/none.json"],
      None, 2, "none.json"),
     ("shard size zero", [*CONVERT, "-f", "bnb:nf4", "--max-shard-size", "0"], None, 2, "--max-shard-size"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import TINY_TEXT, make_checkpoint, run_cli
 from quantkit import api, preflight
@@ -17,16 +18,17 @@ MiB = 2**20
 
 def test_calibrated_jobs_share_the_pass_and_the_others_run_after_it(monkeypatch):
     monkeypatch.setattr(preflight, "_own_rss", lambda: 300 * MiB)
+    monkeypatch.setitem(preflight._startup, "rss", 0)
     monkeypatch.setitem(preflight._startup, "seconds", 5.0)
-    gptq = Resources(own_ram=100 * MiB, shared_ram=50 * MiB, own_seconds=10, shared_seconds=20, final_disk=7,
+    gptq = Resources(own_ram=100 * MiB, shared_ram=50 * MiB, own_seconds=10, forward_seconds=20, final_disk=7,
                      stream=40 * MiB, calibrated=True)
-    awq = Resources(own_ram=200 * MiB, shared_ram=80 * MiB, own_seconds=30, shared_seconds=25, final_disk=8,
+    awq = Resources(own_ram=200 * MiB, shared_ram=80 * MiB, own_seconds=30, forward_seconds=25, final_disk=8,
                     stream=40 * MiB, calibrated=True)
     gguf = Resources(own_ram=900 * MiB, own_seconds=4, final_disk=9)
     run = combine([gptq, awq, gguf], "cpu")
     pass_ram = 300 * MiB + preflight.CALIBRATION_LOAD_BYTES + 80 * MiB + 300 * MiB + 80 * MiB   # + both copies
     assert run.peak_ram == max(pass_ram, 300 * MiB + 900 * MiB)
-    assert run.seconds == 5 + 25 + 10 + 30 + 4                 # the pass's forwards once
+    assert run.seconds == 5 + 20 + 25 + 10 + 30 + 4            # each job walks the layers with its own stream
     assert run.final_disk == 24 and run.scratch_disk == 2 * 80 * MiB   # two generations of both streams
     no_resume = combine([gptq, awq], "cpu", resume=False)
     assert no_resume.scratch_disk == 0 and no_resume.peak_ram == pass_ram - 80 * MiB
@@ -93,3 +95,20 @@ def test_the_refusal_through_the_command_line_is_exit_10(model, tmp_path, monkey
     lines = err.strip().splitlines()
     assert code == 10 and len(lines) == 1 and "GiB of disk" in lines[0] and "0.00 GiB is free" in lines[0], err
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+def test_the_pass_is_timed_on_a_real_layer_walk_and_scaled_by_windows_and_layers(model, monkeypatch):
+    """The forwards' estimate comes from walking layer 0 with the pass's own code (once per model and window
+    length), then grows with the calibration windows and the layers."""
+    from quantkit.calibration import capture
+    from quantkit.model.checkpoint import Checkpoint
+    folder, _ = model
+    walks = []
+    real = capture.quantize_layer
+    monkeypatch.setattr(capture, "quantize_layer", lambda ctx, job: walks.append(ctx.stream.shape) or real(ctx, job))
+    monkeypatch.setattr(preflight, "_pass_probe", {})
+    m, cpu = Checkpoint(folder), torch.device("cpu")
+    four, eight = preflight.pass_seconds(m, 4, 32, cpu), preflight.pass_seconds(m, 8, 32, cpu)
+    assert walks == [(1, 32, 64), (64, 32, 64)]        # a warm-up window, then a batch of 2048 tokens, timed
+    per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu")]
+    assert four == pytest.approx((per_layer + 4 * per_window) * 2) and eight > four > 0

@@ -38,13 +38,17 @@ class ImatrixCollector(PassJob):
     def restore(self, state: dict) -> None:
         self.stats, self.chunks = state["stats"], state["chunks"]
 
-    def result(self) -> dict[str, torch.Tensor]:
-        """HF weight name -> importance vector (in_features,) float32 on the CPU; a checkpoint's joined linear
-        (Phi-3's qkv_proj) gets its parts' statistic, which they share since they read the same input."""
-        out = {f"{name}.weight": acc.value().cpu() for name, acc in self.stats.items()}
+    def accumulators(self) -> dict[str, SquareMeanAccumulator]:
+        """HF weight name -> its statistic (sums and token count); a checkpoint's joined linear (Phi-3's
+        qkv_proj) gets its parts' statistic, which they share since they read the same input."""
+        out = {f"{name}.weight": acc for name, acc in self.stats.items()}
         for i in range(self.model.num_layers):
             prefix = self.model.adapter.prefix(i)
             for part, (stored, _, _) in self.model.fused_parts.items():
                 if prefix + part in out:
                     out[prefix + stored] = out[prefix + part]
         return out
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> importance vector (in_features,) float32 on the CPU."""
+        return {name: acc.value() for name, acc in self.accumulators().items()}

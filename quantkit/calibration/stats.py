@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 
@@ -60,5 +61,16 @@ class SquareMeanAccumulator:
         self.sum += x.square().sum(dim=0, dtype=torch.float64)
         self.rows += x.shape[0]
 
+    def float_sums(self) -> np.ndarray:
+        """The sums in float32, as llama-imatrix keeps them (and its files store them)."""
+        return self.sum.to(torch.float32).cpu().numpy()
+
     def value(self) -> torch.Tensor:
-        return (self.sum / max(self.rows, 1)).to(torch.float32)
+        return torch.from_numpy(mean_of_sums(self.float_sums(), max(self.rows, 1)))
+
+
+def mean_of_sums(sums: np.ndarray, count: int) -> np.ndarray:
+    """float32 sums / the count as a float32, one correctly rounded division: how llama-quantize turns an
+    importance-matrix file's sums and token count into the vector it weights with.  The collector's mean is made
+    the same way, so that a matrix written to a file and read back is the one the collecting run used, bit for bit."""
+    return np.asarray(sums, dtype=np.float32) / np.float32(count)

@@ -50,6 +50,8 @@ def recipe_groups(path: Path, shard_spec: tuple[int, int] | None = None,
                 j.settings["calibration"]["source"] = _local(here, j.settings["calibration"]["source"])
             if j.settings["eval"]:
                 j.settings["eval"]["data"] = _local(here, j.settings["eval"]["data"])
+            if (j.settings["options"] or {}).get("imatrix_file"):
+                j.settings["options"]["imatrix_file"] = _local(here, j.settings["options"]["imatrix_file"])
     for g in groups:
         g.command = f"quantkit run {path.name}"
     if shard_spec is not None:

@@ -39,6 +39,9 @@ class ConvertOptions(_Strict):
     pure: bool = False
     tokenizer_pre: Optional[str] = None
     imatrix: bool = False
+    imatrix_out: Optional[str] = None
+    imatrix_format: Optional[Literal["gguf", "dat"]] = None
+    imatrix_file: Optional[str] = None
     act_order: Optional[bool] = None
     static_groups: Optional[bool] = None
     group_aware: Optional[bool] = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,12 +11,12 @@ import torch
 from .. import Backend, Plan
 from ..hf_folder import plan_rows
 from ...artifact import model_stem
-from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
-from ...model.block import MoE
+from ...model.block import Attention, MoE
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_ram, pass_seconds, stream_bytes
+from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_walk, pass_ram, pass_seconds,
+                           stream_bytes)
 from . import spec as awq_spec
 from .algorithm import AWQSettings
 from .job import AWQJob
@@ -99,9 +100,9 @@ class AWQBackend(Backend):
         device = resolve_device(run.device)
         seconds = (0.0, 0.0)
         if run.estimate_time:
-            seconds = _time_estimate(model, run.calib_samples * run.calib_seqlen, run.calib_seqlen, s, rtn, device)
+            seconds = _time_estimate(model, run.calib_samples, run.calib_seqlen, s, rtn, device)
             plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
-        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], forward_seconds=seconds[0],
                                    final_disk=folder_disk(model, plan), stream=stream, calibrated=not rtn,
                                    on_device=device.type == "cuda")
         plan.extra["loads in"] = ("transformers + GPTQModel (CPU or GPU), vLLM (GPU)" if s.group_size != -1
@@ -164,19 +165,53 @@ def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, 
             shared, stream + outputs + dequantized + second_moments, stream)
 
 
-def _time_estimate(model, tokens: int, seqlen: int, s: AWQSettings, rtn: bool,
+def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
                    device: torch.device) -> tuple[float, float]:
-    """(shared forwards, own work): the capture pass (about two forwards per layer) plus the scale search, which runs each sub-block behind
-    a norm once per candidate (grid + 2) on its search windows — about that many more forwards of the layer."""
-    params = layer_params(model)
+    """(this job's walk of the layers, its own work per layer × layers).  Per input group: every candidate scale
+    (grid + the unscaled one) is fake-quantized, then scored by re-running its residual sub-block on the search
+    windows (a group behind a norm; a sub-block costs its share of the layer's forward, which the pass's probe
+    timed) or by tr(ΔW·H·ΔWᵀ) (a group behind a linear); the clip search fake-quantizes each of its candidates;
+    the second moments cost a K² product per token.  Fake-quantization is timed here; products count at the
+    probed float32 rate."""
     if rtn:
-        return 0.0, params * model.num_layers * 5e-9
-    flops = matmul_flops(device, default_compute_dtype(device))
-    searched = tokens if not s.search_samples else min(tokens, s.search_samples * seqlen)
-    search = (s.grid + 2) * 2 * params * searched / flops if s.search_scales else 0.0
-    cfg = model.config
-    moments = 2 * tokens * (3 * cfg.hidden_size ** 2 + cfg.intermediate_size ** 2) / (flops / 4)
-    return pass_seconds(model, tokens, device), (search + moments) * model.num_layers
+        return 0.0, layer_params(model) * model.num_layers * 5e-9
+    walk = pass_seconds(model, samples, seqlen, device)
+    _, per_window = layer_walk(model, seqlen, device)
+    forward = per_window / 2                            # the staged walk runs each sub-block about twice
+    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    block = model.block(0)
+    total = sum(shapes[lin][0] * shapes[lin][1] for lin in block.linears)
+    flops = matmul_flops(device, torch.float32)
+    per_weight = _probe_fake_quantize(max(block.linears, key=lambda lin: shapes[lin][0] * shapes[lin][1]),
+                                      shapes, s, device)
+    softmax = {n for r in block.residuals if isinstance(r.op, Attention) for n in (r.op.q, r.op.k)}
+    candidates, clips = s.grid + 1, int(s.max_shrink * s.grid)
+    windows, searched = samples, min(samples, s.search_samples or samples)
+    own = 0.0
+    for r in block.residuals:
+        share = sum(shapes[lin][0] * shapes[lin][1] for st in r.stages for g in st for lin in g.linears) / total
+        for index, stage in enumerate(r.stages):
+            for g in stage:
+                n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
+                own += 2 * windows * seqlen * k * k / flops                     # second moments
+                if s.search_scales:
+                    score = forward * share * searched if index == 0 else 2 * n * k * k / flops
+                    own += candidates * (n * k * per_weight + score)
+                if s.search_clip:
+                    rows = sum(shapes[lin][0] for lin in g.linears if lin not in softmax)
+                    group = s.group(k)
+                    own += clips * rows * k * (per_weight + 2 * group / flops)
+    return walk, own * model.num_layers
+
+
+def _probe_fake_quantize(name: str, shapes: dict, s: AWQSettings, device: torch.device) -> float:
+    """Seconds per weight of one candidate's quantize-dequantize here, on the layer's largest linear's shape."""
+    from .algorithm import fake_quantize
+    w = torch.randn(shapes[name], generator=torch.Generator().manual_seed(0)).to(device)
+    fake_quantize(w[:8], s)
+    t0 = time.perf_counter()
+    fake_quantize(w, s)
+    return (time.perf_counter() - t0) / w.numel()
 
 
 BACKEND = AWQBackend()

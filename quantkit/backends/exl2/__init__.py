@@ -10,12 +10,12 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_stem
-from ...calibration.capture import default_compute_dtype
-from ...device import matmul_flops, resolve_device
+from ...device import resolve_device
 from ...errors import UsageError
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_seconds, stream_bytes
-from . import spec as exl2_spec
+from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, folder_disk, layer_params, layer_walk, pass_seconds,
+                           stream_bytes)
+from . import algorithm, spec as exl2_spec
 from .job import EXL2Job
 from .layout import check_model, head_name, slots
 from .layouts import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS, distinct
@@ -114,7 +114,7 @@ class EXL2Backend(Backend):
         if run.estimate_time:
             seconds = _time_estimate(model, run.calib_samples, run.calib_seqlen, s, measurement is None, device)
             plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
-        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], forward_seconds=seconds[0],
                                    final_disk=folder_disk(model, plan) + _MEASUREMENT_BYTES_PER_LAYER * model.num_layers,
                                    stream=stream, calibrated=True, on_device=device.type == "cuda")
         plan.extra["loads in"] = "exllamav2 / TabbyAPI (CUDA or ROCm; transformers does not load EXL2)"
@@ -150,12 +150,17 @@ class EXL2Backend(Backend):
 _MEASUREMENT_BYTES_PER_LAYER = 12 * 1024     # measurement.json: two sub-blocks' options with their errors
 
 
+# quantizing the head holds it as stored and in float32, its processing-order copy, int16 codes, the quantized
+# values and the errors, then the packed result: 25 bytes per weight measured on the demo (49152 × 576, 0.68 GiB)
+HEAD_BYTES_PER_WEIGHT = 25
+
+
 def _memory_estimate(model, samples: int, seqlen: int) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
     cfg = model.config
     candidates = layer_params(model) * 4 * 2                          # one sub-block's candidate weights + the working copy
     stream = stream_bytes(model, samples, seqlen)
-    head = cfg.vocab_size * cfg.hidden_size * 4 * 3     # the head's weights, its quantized copy and its errors
+    head = cfg.vocab_size * cfg.hidden_size * HEAD_BYTES_PER_WEIGHT
     total = stream * 3 + candidates + head + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB + the sub-block outputs the "
             f"measurement compares + one sub-block's candidates + the head + runtime)",
@@ -163,20 +168,38 @@ def _memory_estimate(model, samples: int, seqlen: int) -> tuple[str, int, int, i
 
 
 def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: torch.device) -> tuple[float, float]:
-    """(shared forwards, own work): two forwards per layer per pass, the measurement's sub-block re-runs (one per option) on its windows,
-    and the quantizations (each an act-order GPTQ over the layer's rows, ~K² · N multiply-adds)."""
-    flops = matmul_flops(device, default_compute_dtype(device))
-    layer = layer_params(model)
-    tokens = samples * seqlen
-    forward = pass_seconds(model, tokens, device) / model.num_layers
-    per_layer = forward * 2
-    if measure:
-        windows = min(samples, s.measure_samples or samples)
-        options = len(ATTENTION_OPTIONS) + len(MLP_OPTIONS)
-        per_layer += options * 2 * layer * windows * seqlen / flops
-        per_layer += sum(len(d) for d in distinct(ATTENTION_OPTIONS) + distinct(MLP_OPTIONS)) / 7 * \
-            2 * layer * model.config.hidden_size / (flops / 8)
-    return forward * model.num_layers, (per_layer - forward) * model.num_layers
+    """(this job's walks of the layers, its own work): two walks with measurement, one without; per layer the
+    measurement quantizes each linear once per distinct layout of its table and re-runs each sub-block once per
+    option on its windows (its share of the layer's forward, from the pass's probe); pass 2 quantizes each linear
+    once, then the head.  A quantization is an act-order GPTQ column loop, timed here (`_probe_quantize`)."""
+    walk = pass_seconds(model, samples, seqlen, device)
+    _, per_window = layer_walk(model, seqlen, device)
+    cost = _probe_quantize(model, s, device)
+    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    layer_weights = sum(shapes[lin][0] * shapes[lin][1] for _, _, names in slots(model)[:2] for lin in names)
+    own = 0.0
+    for _, _, names in slots(model)[:2]:                # layer 0's attention and MLP
+        table = ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS
+        own += sum(cost(*shapes[lin]) for lin in names)                                  # pass 2
+        if measure:
+            share = sum(shapes[lin][0] * shapes[lin][1] for lin in names) / layer_weights
+            windows = min(samples, s.measure_samples or samples)
+            own += sum(len(layouts) * cost(*shapes[lin]) for lin, layouts in zip(names, distinct(table)))
+            own += len(table) * per_window / 2 * share * windows
+    head = cost(model.config.vocab_size, model.config.hidden_size)
+    return walk * (2 if measure else 1), own * model.num_layers + head
+
+
+def _probe_quantize(model, s, device: torch.device):
+    """cost(rows, columns) in seconds of one EXL2 quantization here, probed on the layer's largest linear."""
+    shapes = [tuple(t.shape) for n, t in model.layer(0).items() if n.endswith(".weight") and t.dim() == 2]
+    n, k = max(shapes, key=lambda shape: shape[0] * shape[1])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * k, k, generator=gen)
+    prep = algorithm.prepare((x.T @ x / x.shape[0]).to(device), s.damp)
+    w = torch.randn(n, k, generator=gen).to(device)
+    layout = distinct(MLP_OPTIONS)[0][0]
+    return column_loop_cost(lambda rows: algorithm.quantize(w[:rows], prep, layout), n, k)
 
 
 BACKEND = EXL2Backend()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -18,7 +18,7 @@ from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
 from ...preflight import RUNTIME_BYTES, Resources, pass_ram, pass_seconds, stream_bytes
 from ...progress import Progress, null_progress
-from . import encoders, fusion, mixtures
+from . import encoders, fusion, imatrix_file, mixtures
 from .reader import GGUFModel, describe
 from .split import parse_size
 from .tensors import expert_count, gguf_tensors, sliding_layers
@@ -36,6 +36,9 @@ class GGUFSettings:
     pure: bool = False
     tokenizer_pre: str | None = None
     imatrix: bool = False                          # collect an importance matrix in the calibration pass
+    imatrix_out: str | None = None                 # --imatrix-out: and write it as llama-imatrix's file
+    imatrix_format: str = "gguf"                   # that file's layout (imatrix_file.FORMATS)
+    imatrix_loaded: imatrix_file.Imatrix | None = field(default=None, compare=False)   # --imatrix-file, read
     split_max_bytes: int | None = None             # --split-max-size: llama.cpp's split layout (split.py)
 
 
@@ -44,13 +47,17 @@ class GGUFBackend(Backend):
     summary = "llama.cpp GGUF v3: legacy, K-quant and IQ4 types, llama-quantize mixtures"
     owned_options = {"tensor_type": "per-tensor GGUF types", "pure": "GGUF without mixture rules",
                      "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization",
+                     "imatrix_file": "weights GGUF quantization", "imatrix_out": "writes GGUF's importance matrix",
+                     "imatrix_format": "writes GGUF's importance matrix",
                      "split_max_size": "splits GGUF files"}
 
     def settings(self, options: dict) -> GGUFSettings:
+        out, fmt, loaded = imatrix_file.file_options(options, collecting=bool(options.get("imatrix")))
         return GGUFSettings(run=RunOptions.from_dict(options),
                             overrides=tuple(_split_override(o) for o in options.get("tensor_type") or ()),
                             pure=bool(options.get("pure")), tokenizer_pre=options.get("tokenizer_pre"),
                             imatrix=bool(options.get("imatrix")),
+                            imatrix_out=out, imatrix_format=fmt, imatrix_loaded=loaded,
                             split_max_bytes=parse_size(options["split_max_size"]) if options.get("split_max_size") else None)
 
     def pass_jobs(self, model, items, settings: GGUFSettings) -> list:
@@ -83,6 +90,9 @@ class GGUFBackend(Backend):
         except ValueError as e:
             raise UsageError(str(e)) from None
         _refuse_impossible_overrides(tensors, overrides)
+        if settings.imatrix_loaded is not None:   # a matrix that does not fit the model is refused before writing
+            imatrix_file.importance_for(model, settings.imatrix_loaded,
+                                        {t.name: c.qtype for t, c in zip(tensors, choices)}, variant.name)
         rows = []
         for t, c in zip(tensors, choices):
             rows.append(PlanRow(t.name, t.ne, c.qtype.name, tensor_nbytes(t, c.qtype), c.reason))
@@ -111,6 +121,10 @@ class GGUFBackend(Backend):
         device = resolve_device(settings.run.device)
         if settings.imatrix:
             plan.extra["importance matrix"] = f"from the calibration pass over {settings.run.calibration_text()}"
+            if settings.imatrix_out:
+                plan.extra["importance matrix"] += f"; written to {settings.imatrix_out} ({settings.imatrix_format})"
+        elif settings.imatrix_loaded is not None:
+            plan.extra["importance matrix"] = settings.imatrix_loaded.describe()
         fused_n = sum(int(np.prod(r.shape)) for r in rows
                       if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
@@ -123,16 +137,17 @@ class GGUFBackend(Backend):
                 text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built on the way (~"
                         f"{fusion.BUILD_SECONDS:.0f} s each, once per machine)")
             if settings.imatrix:
-                collect = pass_seconds(model, settings.run.calib_samples * settings.run.calib_seqlen, device)
+                collect = pass_seconds(model, settings.run.calib_samples, settings.run.calib_seqlen, device)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             plan.extra["time (estimate)"] = text
         plan.resources = Resources(own_ram=largest * ENCODE_BYTES_PER_WEIGHT, own_seconds=seconds,
                                    on_device=device.type == "cuda",
                                    final_disk=plan.total_bytes + _metadata_bytes(model, len(rows)))
-        if settings.imatrix:   # the pass that collects it: one stream, statistics of a few vectors per linear
+        if settings.imatrix:   # the pass that collects it (one stream, a few vectors per linear), then the encoding
             r = plan.resources
-            r.calibrated, r.shared_ram, r.shared_seconds = True, pass_ram(model, settings.run.calib_seqlen), collect
-            r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r.calibrated, r.shared_ram, r.forward_seconds = True, pass_ram(model, settings.run.calib_seqlen), collect
+            r.stream = r.own_ram = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r.after_pass_ram = largest * ENCODE_BYTES_PER_WEIGHT
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
@@ -144,16 +159,23 @@ class GGUFBackend(Backend):
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,
                   settings: GGUFSettings, progress: Progress = null_progress, collected: list | None = None) -> list[Path]:
         tensors = gguf_tensors(model)
-        imatrix = imatrix_info = None
+        # the collected matrix goes through llama-imatrix's file contents, so that it weights the rounding exactly
+        # as llama-quantize given that file would
+        matrix = settings.imatrix_loaded
         for collector in collected or ():
-            imatrix = collector.result()
-            imatrix_info = {"dataset": settings.run.calib, "chunks": collector.chunks}
+            matrix = imatrix_file.from_collector(model, collector, settings.run.calib, settings.run.calib_seqlen,
+                                                 settings.imatrix_out)
+        imatrix = imatrix_file.importance_for(model, matrix) if matrix is not None else None
         jobs = [FileJob(Path(out_dir) / output_name(model, spec.name), int(spec.file_type),
                         {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, settings.split_max_bytes)
                 for spec, plan in items]
-        return write_files(model, tensors, jobs, name=model_base_name(model.name),
-                           device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
-                           progress=progress, imatrix=imatrix, imatrix_info=imatrix_info)
+        written = write_files(model, tensors, jobs, name=model_base_name(model.name),
+                              device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
+                              progress=progress, imatrix=imatrix,
+                              imatrix_info=matrix.provenance() if matrix is not None else None)
+        if settings.imatrix_out and collected:
+            imatrix_file.save(matrix, settings.imatrix_out, settings.imatrix_format)
+        return written
 
     def can_read(self, path: Path) -> bool:
         if not Path(path).is_file():

@@ -57,6 +57,7 @@ __all__ = [
     "tensor_category",
     "allows_quantization",
     "use_more_bits",
+    "requires_imatrix",
 ]
 
 Q = GGMLQuantizationType
@@ -214,6 +215,19 @@ def tensor_category(name: str) -> str:
         if piece in name:
             return cat
     return "other"
+
+
+# types whose rounding is garbage without an importance matrix, so that llama-quantize refuses them without one
+_NEEDS_IMATRIX = frozenset({Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M, Q.IQ1_S})
+
+
+def requires_imatrix(name: str, qtype: GGMLQuantizationType, file_type: str) -> bool:
+    """Whether llama-quantize refuses to write tensor `name` as `qtype` without its importance vector
+    (llama-quant.cpp, tensor_requires_imatrix): the very low-bit IQ types, and Q2_K inside a Q2_K_S file;
+    never the embedding or the output head."""
+    if tensor_category(name) in ("output", "token_embd"):
+        return False
+    return qtype in _NEEDS_IMATRIX or (qtype == Q.Q2_K and file_type.upper() == "Q2_K_S")
 
 
 # --------------------------------------------------------------------------

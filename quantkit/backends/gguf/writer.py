@@ -87,8 +87,9 @@ class _Streamed:
 def _encode(src: torch.Tensor, t: GGUFTensor, q: gguf.GGMLQuantizationType,
             imatrix: dict[str, torch.Tensor] | None) -> np.ndarray:
     if imatrix and t.stack:
-        # like llama-imatrix, one importance vector per expert, from the tokens routed to it; an expert no
-        # calibration token reached has none, and its rows are quantized unweighted
+        # like llama-imatrix, one importance vector per expert, from the tokens routed to it (an expert no
+        # calibration token reached gets ones, as llama-quantize reads a zero count); experts of a tensor the
+        # matrix has no entry for are quantized unweighted
         rows = src.shape[0] // len(t.stack)
         parts = [encoders.quantize(src[e * rows:(e + 1) * rows], q, imatrix=imatrix.get(name))
                  for e, name in enumerate(t.stack)]
@@ -101,17 +102,19 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
                 device: torch.device, tokenizer_pre: str | None, progress: Progress,
                 imatrix: dict[str, torch.Tensor] | None = None, imatrix_info: dict | None = None) -> list[Path]:
     """`imatrix` (HF weight name -> per-column importance) makes the quantizers weight their rounding error
-    as llama-quantize does with --imatrix; `imatrix_info` goes into the quantize.imatrix.* keys."""
+    as llama-quantize does with --imatrix; `imatrix_info` (imatrix_file.Imatrix.provenance: file, dataset,
+    entries, chunks) goes into the quantize.imatrix.* keys as llama-quantize writes them."""
     arch = model.adapter.gguf_arch
     template = gguf.GGUFWriter(None, arch)
     add_hparams(template, model, name=name)
     add_tokenizer(template, model, tokenizer_pre)
     if imatrix:
         info = imatrix_info or {}
-        template.add_string("quantize.imatrix.file", "quantkit calibration pass")
+        template.add_string("quantize.imatrix.file", str(info.get("file", "")))
         template.add_string("quantize.imatrix.dataset", str(info.get("dataset", "")))
-        template.add_uint32("quantize.imatrix.entries_count", len(imatrix))
-        template.add_uint32("quantize.imatrix.chunks_count", int(info.get("chunks", 0)))
+        template.add_uint32("quantize.imatrix.entries_count", int(info.get("entries", len(imatrix))))
+        if info.get("chunks"):   # llama-quantize leaves the key out for a file that does not say
+            template.add_uint32("quantize.imatrix.chunks_count", int(info["chunks"]))
     with ExitStack() as stack:
         writers = []   # per job, the writer of each tensor (its part's)
         for job in jobs:

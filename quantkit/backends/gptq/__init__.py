@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, pass_ram, pass_seconds, stream_bytes
+from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, folder_disk, layer_params, pass_ram, pass_seconds,
+                           stream_bytes)
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings, gptq_quantize
 from .job import GPTQJob
@@ -104,9 +104,9 @@ class GPTQBackend(Backend):
         plan.extra["peak memory (estimate)"] = text
         seconds = (0.0, 0.0)
         if run.estimate_time:      # a dry run: the probe of the column loop costs a second
-            seconds = _time_estimate(model, samples * seqlen, s, rtn, device)
+            seconds = _time_estimate(model, samples, seqlen, s, rtn, device)
             plan.extra["time (estimate)"] = f"{sum(seconds):.0f} s on {device}"
-        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], shared_seconds=seconds[0],
+        plan.resources = Resources(own_ram=own, shared_ram=shared, own_seconds=seconds[1], forward_seconds=seconds[0],
                                    final_disk=folder_disk(model, plan), stream=stream, calibrated=not rtn,
                                    on_device=device.type == "cuda")
         plan.extra["settings"] = json.dumps({k: v for k, v in s.__dict__.items()})
@@ -165,23 +165,21 @@ def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) ->
             f"one batch + Hessians + runtime)", shared, stream + hessian, stream)
 
 
-def _time_estimate(model: Checkpoint, tokens: int, s: GPTQSettings, rtn: bool,
+def _time_estimate(model: Checkpoint, samples: int, seqlen: int, s: GPTQSettings, rtn: bool,
                    device: torch.device) -> tuple[float, float]:
-    """(the pass's forwards, shared with the run's other calibrated jobs; this job's own work): matmul throughput
-    probed here × the FLOPs, plus the column loop timed here on the layer's largest linear."""
+    """(this job's walk of the layers, its forwards; its own work): the Hessians' FLOPs at the matmul throughput
+    probed here, plus the column loop timed here on the layer's largest linear."""
     loop = _probe_column_loop(model, s, device) * model.num_layers
     if rtn:
         return 0.0, loop / 4
     flops = matmul_flops(device, default_compute_dtype(device))
     # X^T X in float32, counted at a quarter of the bf16 rate
-    hessian = 2 * tokens * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)
-    return pass_seconds(model, tokens, device), hessian * model.num_layers + loop
+    hessian = 2 * samples * seqlen * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)
+    return pass_seconds(model, samples, seqlen, device), hessian * model.num_layers + loop
 
 
 def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device) -> float:
-    """Seconds of GPTQ's column loop for one layer's linears here.  The loop costs a fixed amount per column
-    (the Python steps, the block updates' launches) plus an amount per weight: time the largest linear at its
-    full height and at an eighth of it, and solve for the two."""
+    """Seconds of GPTQ's column loop for one layer's linears here, probed on the largest of them."""
     linears = model.stored_linears[0]
     big = max(linears, key=lambda lin: lin.in_features * lin.out_features)
     n, k = big.out_features, big.in_features
@@ -189,17 +187,8 @@ def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device)
     x = torch.randn(2 * k, k, generator=gen)
     h = (x.T @ x / x.shape[0]).to(device)
     w = torch.randn(n, k, generator=gen).to(device)
-    gptq_quantize(w[:8], h, s)           # first-call set-up is not per column
-
-    def timed(rows: int) -> float:
-        t0 = time.perf_counter()
-        gptq_quantize(w[:rows], h, s)
-        return time.perf_counter() - t0
-    low, high = max(1, n // 8), n
-    t_low, t_high = timed(low), timed(high)
-    per_weight = max(t_high - t_low, 0.0) / ((high - low) * k)
-    per_column = max(t_low - per_weight * low * k, 0.0) / k
-    return sum(lin.in_features * (per_column + per_weight * lin.out_features) for lin in linears)
+    cost = column_loop_cost(lambda rows: gptq_quantize(w[:rows], h, s), n, k)
+    return sum(cost(lin.out_features, lin.in_features) for lin in linears)
 
 
 BACKEND = GPTQBackend()
