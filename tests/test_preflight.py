@@ -29,7 +29,9 @@ def test_calibrated_jobs_share_the_pass_and_the_others_run_after_it(monkeypatch)
     pass_ram = 300 * MiB + preflight.CALIBRATION_LOAD_BYTES + 80 * MiB + 300 * MiB + 80 * MiB   # + both copies
     assert run.peak_ram == max(pass_ram, 300 * MiB + 900 * MiB)
     assert run.seconds == 5 + 20 + 25 + 10 + 30 + 4            # each job walks the layers with its own stream
-    assert run.final_disk == 24 and run.scratch_disk == 2 * 80 * MiB   # two generations of both streams
+    # two generations of both streams, beside the folders the pass writes; the GGUF file (9 bytes) comes after
+    # the commit points are removed, and only a peak beyond the final bytes counts as temporary
+    assert run.final_disk == 24 and run.scratch_disk == 2 * 80 * MiB - 9
     no_resume = combine([gptq, awq], "cpu", resume=False)
     assert no_resume.scratch_disk == 0 and no_resume.peak_ram == pass_ram - 80 * MiB
 
@@ -50,7 +52,8 @@ def test_dry_run_reports_the_run_and_what_is_here(model, tmp_path):
     d = json.loads(r.stdout)
     run = d["run"]
     assert run["disk_final_bytes"] >= sum(p["bytes"] for p in d["plans"])
-    assert run["disk_temporary_bytes"] == 2 * 4 * 32 * 64 * 4      # GPTQ's stream, two commit generations
+    # GPTQ's stream, two commit generations, gone before the bnb folder is written
+    assert 0 <= run["disk_temporary_bytes"] <= 2 * 4 * 32 * 64 * 4
     assert run["peak_ram_bytes"] > 0 and run["seconds"] > 0 and run["refused"] is None
     assert run["disk_free_bytes"] > 0 and run["ram_available_bytes"] > 0
     table = run_cli("convert", str(folder), "-f", "bnb:nf4", "--dry-run", "-o", str(tmp_path / "o"))
@@ -66,7 +69,12 @@ def test_an_importance_matrix_adds_its_pass_to_the_gguf_estimate(model, tmp_path
               "--calib-seqlen", "32", "--dry-run", "--json", "-o", str(tmp_path / "o")]
     plain, weighted = (json.loads(run_cli(*common, *extra).stdout) for extra in ([], ["--imatrix"]))
     assert weighted["run"]["peak_ram_bytes"] > plain["run"]["peak_ram_bytes"]
-    assert weighted["run"]["disk_temporary_bytes"] == 2 * 4 * 32 * 64 * 4 and plain["run"]["disk_temporary_bytes"] == 0
+    # its commit points (two generations of the stream) are gone before the file is written: they only count
+    # where they outgrow it
+    stream_copies = 2 * 4 * 32 * 64 * 4
+    final = weighted["run"]["disk_final_bytes"]
+    assert weighted["run"]["disk_temporary_bytes"] == max(0, stream_copies - final)
+    assert plain["run"]["disk_temporary_bytes"] == 0
     assert "importance matrix's pass" in weighted["plans"][0]["extra"]["time (estimate)"]
 
 

@@ -15,7 +15,7 @@ from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...model.safetensors_reader import DTYPES
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, read_seconds
 from . import spec as bnb_spec
 from .encoders import quantize_4bit, quantize_int8
 from .layout import checkpoint_specs, converted_linears, quantization_config
@@ -161,8 +161,7 @@ def _time_estimate(model, v: bnb_spec.BnbVariant, device: torch.device) -> float
     encode(slab)
     per_weight = (time.perf_counter() - t0) / slab.numel()
     weights = sum(lin.in_features * lin.out_features for row in model.stored_linears for lin in row)
-    read = model.size_on_disk() / (500 * 2**20)
-    return weights * per_weight + read
+    return weights * per_weight + read_seconds(model)
 
 
 BACKEND = BnbBackend()
