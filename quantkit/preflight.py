@@ -136,6 +136,24 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     return per_layer, seconds
 
 
+def statistics_seconds(model, samples: int, seqlen: int, device, accumulator) -> float:
+    """A pass job's statistics of every linear group's inputs (`accumulator(features, device).add(x)` per batch),
+    timed here on 2048 tokens of each of layer 0's groups after a warm-up, scaled by tokens and layers."""
+    import time
+
+    import torch
+    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    seconds = 0.0
+    for group in model.block(0).groups:
+        width = shapes[group.linears[0]][1]
+        acc, x = accumulator(width, device), torch.randn(2048, width, device=device)
+        acc.add(x[:8])
+        t0 = time.perf_counter()
+        acc.add(x)
+        seconds += time.perf_counter() - t0
+    return seconds * samples * seqlen / 2048 * model.num_layers
+
+
 def column_loop_cost(quantize_rows, rows: int, columns: int):
     """cost(rows, columns) in seconds of a column-by-column quantizer (GPTQ's, EXL2's) here: a fixed amount per
     column (the loop's Python steps and launches) plus an amount per weight, solved from timing

@@ -12,11 +12,13 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
+from ...calibration.stats import SquareMeanAccumulator
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, pass_ram, pass_seconds, read_seconds, stream_bytes
+from ...preflight import (RUNTIME_BYTES, Resources, pass_ram, pass_seconds, read_seconds, statistics_seconds,
+                           stream_bytes)
 from ...progress import Progress, null_progress
 from . import encoders, fusion, imatrix_file, mixtures
 from .reader import GGUFModel, describe
@@ -138,7 +140,9 @@ class GGUFBackend(Backend):
                 text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built on the way (~"
                         f"{fusion.BUILD_SECONDS:.0f} s each, once per machine)")
             if settings.imatrix:
-                collect = pass_seconds(model, settings.run.calib_samples, settings.run.calib_seqlen, device)
+                run = settings.run
+                collect = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
+                           + statistics_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator))
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             plan.extra["time (estimate)"] = text
         plan.resources = Resources(own_ram=largest * ENCODE_BYTES_PER_WEIGHT, own_seconds=seconds,
