@@ -13,7 +13,7 @@ llama-quantize and llama-imatrix are built once from the llama.cpp that the pinn
 and every tensor's type and bytes are compared between the two tools' files (the metadata differs by design: the
 matrix file's name, the tool's own keys).
 
-    python bench/imatrix_llamacpp.py [--samples 16] [--seqlen 256] [--type Q4_K_M]
+    python bench/imatrix_llamacpp.py [--samples 16] [--seqlen 256] [--types Q4_K_M Q4_0 IQ4_NL]
 """
 from __future__ import annotations
 
@@ -85,11 +85,53 @@ def compare(ours: Path, theirs: Path) -> dict:
             "only_in_one": sorted(a.keys() ^ b.keys())[:20]}
 
 
+def compare_tools(ftype: str, work: Path, model: str, calib: list[str], f32: Path, quantize: Path, imatrix: Path,
+                  a) -> list[dict]:
+    """The four comparisons (quantkit's file and llama-imatrix's, GGUF and .dat) at one file type, and the
+    control without a matrix."""
+    name = f"smollm2-135m-{ftype}.gguf"
+    rows = []
+    for fmt in ("gguf", "dat"):
+        # quantkit collects and writes the file; llama-quantize reads it
+        ours_dir, matrix = work / f"qk-{ftype}-{fmt}", work / f"quantkit.imatrix.{fmt}"
+        quantkit("convert", model, "-f", f"gguf:{ftype}", "-o", str(ours_dir), "--imatrix", *calib,
+                 "--imatrix-out", str(matrix), "--imatrix-format", fmt)
+        theirs = work / f"lq-{ftype}-from-quantkit-{fmt}.gguf"
+        subprocess.run([str(quantize), "--imatrix", str(matrix), str(f32), str(theirs), ftype],
+                       check=True, capture_output=True)
+        rows.append({"type": ftype, "file": f"quantkit's ({fmt})", "read by": "llama-quantize vs quantkit",
+                     **compare(ours_dir / name, theirs)})
+        # llama-imatrix collects and writes the file; quantkit reads it
+        matrix = work / f"llama.imatrix.{fmt}"
+        if not matrix.is_file():
+            subprocess.run([str(imatrix), "-m", str(f32), "-f", str(CALIB), "--chunks", str(a.samples),
+                            "-c", str(a.seqlen), "-o", str(matrix), "--output-format", fmt, "--no-ppl"],
+                           check=True, capture_output=True)
+        ours_dir = work / f"qk-{ftype}-from-llama-{fmt}"
+        quantkit("convert", model, "-f", f"gguf:{ftype}", "-o", str(ours_dir), "--imatrix-file", str(matrix),
+                 "--device", "cpu")
+        theirs = work / f"lq-{ftype}-from-llama-{fmt}.gguf"
+        subprocess.run([str(quantize), "--imatrix", str(matrix), str(f32), str(theirs), ftype],
+                       check=True, capture_output=True)
+        rows.append({"type": ftype, "file": f"llama-imatrix's ({fmt})", "read by": "quantkit vs llama-quantize",
+                     **compare(ours_dir / name, theirs)})
+        print(ftype, rows[-2]["file"], rows[-2]["identical"], "/", rows[-2]["tensors"], "|",
+              rows[-1]["file"], rows[-1]["identical"], "/", rows[-1]["tensors"], flush=True)
+    # the control: without a matrix, how many tensors come out otherwise (what the rows above would miss if the
+    # matrix were silently ignored)
+    plain = work / f"qk-{ftype}-plain"
+    quantkit("convert", model, "-f", f"gguf:{ftype}", "-o", str(plain), "--device", "cpu")
+    rows.append({"type": ftype, "file": "none (control)", "read by": "quantkit without vs with its matrix",
+                 **compare(plain / name, work / f"qk-{ftype}-gguf" / name)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seqlen", type=int, default=256)
-    ap.add_argument("--type", default="Q4_K_M")
+    ap.add_argument("--types", nargs="+", default=["Q4_K_M", "Q4_0", "IQ4_NL"],
+                    help="file types (Q4_0 and IQ4_NL choose some ffn_down types by whether a matrix is given)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-imatrix-llamacpp"))
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -104,60 +146,30 @@ def main() -> None:
     f32 = work / "f32" / "smollm2-135m-F32.gguf"
     if not f32.is_file():
         quantkit("convert", model, "-f", "gguf:F32", "-o", str(f32.parent))
-    name = f"smollm2-135m-{a.type}.gguf"
     rows = []
-    for fmt in ("gguf", "dat"):
-        # quantkit collects and writes the file; llama-quantize reads it
-        ours_dir, matrix = work / f"qk-{fmt}", work / f"quantkit.imatrix.{fmt}"
-        quantkit("convert", model, "-f", f"gguf:{a.type}", "-o", str(ours_dir), "--imatrix", *calib,
-                 "--imatrix-out", str(matrix), "--imatrix-format", fmt)
-        theirs = work / f"lq-from-quantkit-{fmt}.gguf"
-        subprocess.run([str(quantize), "--imatrix", str(matrix), str(f32), str(theirs), a.type],
-                       check=True, capture_output=True)
-        rows.append({"file": f"quantkit's ({fmt})", "read by": "llama-quantize vs quantkit",
-                     **compare(ours_dir / name, theirs)})
-        # llama-imatrix collects and writes the file; quantkit reads it
-        matrix = work / f"llama.imatrix.{fmt}"
-        subprocess.run([str(imatrix), "-m", str(f32), "-f", str(CALIB), "--chunks", str(a.samples),
-                        "-c", str(a.seqlen), "-o", str(matrix), "--output-format", fmt, "--no-ppl"],
-                       check=True, capture_output=True)
-        ours_dir = work / f"qk-from-llama-{fmt}"
-        quantkit("convert", model, "-f", f"gguf:{a.type}", "-o", str(ours_dir), "--imatrix-file", str(matrix),
-                 "--device", "cpu")
-        theirs = work / f"lq-from-llama-{fmt}.gguf"
-        subprocess.run([str(quantize), "--imatrix", str(matrix), str(f32), str(theirs), a.type],
-                       check=True, capture_output=True)
-        rows.append({"file": f"llama-imatrix's ({fmt})", "read by": "quantkit vs llama-quantize",
-                     **compare(ours_dir / name, theirs)})
-        print(rows[-2]["file"], rows[-2]["identical"], "/", rows[-2]["tensors"], "|",
-              rows[-1]["file"], rows[-1]["identical"], "/", rows[-1]["tensors"], flush=True)
-    # the control: without a matrix, how many tensors come out otherwise (what the rows above would miss if the
-    # matrix were silently ignored)
-    plain = work / "qk-plain"
-    quantkit("convert", model, "-f", f"gguf:{a.type}", "-o", str(plain), "--device", "cpu")
-    control = compare(plain / name, work / "qk-gguf" / name)
-    rows.append({"file": "none (control)", "read by": "quantkit without vs with its matrix", **control})
+    for ftype in a.types:
+        rows += compare_tools(ftype, work, model, calib, f32, quantize, imatrix, a)
     write_results(rows, a, built)
 
 
 def write_results(rows: list[dict], a, built: float) -> None:
     meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "llama.cpp": f"vendored by llama-cpp-python {makefile_value('LLAMA_CPP_PYTHON')}",
-            "model": "demo:smollm2-135m", "type": a.type,
+            "model": "demo:smollm2-135m", "types": a.types,
             "calibration": f"{a.samples} × {a.seqlen} tokens of {CALIB.name}", "tools_build_seconds": round(built)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "imatrix_llamacpp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["# Importance-matrix files: quantkit and llama.cpp's tools read each other's (bench/imatrix_llamacpp.py)",
-             "", f"{meta['date']}, {meta['machine']}; llama.cpp {meta['llama.cpp']}; {meta['model']} at {a.type}; "
+             "", f"{meta['date']}, {meta['machine']}; llama.cpp {meta['llama.cpp']}; {meta['model']} at {', '.join(a.types)}; "
              f"calibration {meta['calibration']} (quantkit's windows; llama-imatrix its first {a.samples} chunks "
              f"of {a.seqlen}).", "",
              "Each row: the matrix file, then the two tools that quantized with it (llama-quantize from quantkit's "
              "F32 GGUF); tensors whose type and bytes are identical in both outputs.", "",
-             "| matrix file | quantized by | tensors identical | differing |", "| --- | --- | ---: | --- |"]
+             "| type | matrix file | quantized by | tensors identical | differing |", "| --- | --- | --- | ---: | --- |"]
     for r in rows:
         differing = r["differing"] + r["only_in_one"]
         more = r["tensors"] - r["identical"] - len(differing)
-        lines.append(f"| {r['file']} | {r['read by']} | {r['identical']} / {r['tensors']} | "
+        lines.append(f"| {r['type']} | {r['file']} | {r['read by']} | {r['identical']} / {r['tensors']} | "
                      f"{', '.join(differing) + (f' and {more} more' if more > 0 else '') or 'none'} |")
     (RESULTS / "imatrix_llamacpp.md").write_text("\n".join(lines) + "\n")
 

@@ -311,6 +311,20 @@ def test_q4_k_m_mixture_rules():
     assert t["token_embd.weight"] == Q.Q4_K     # untied: default type
 
 
+@pytest.mark.parametrize("ftype, without, with_matrix", [
+    ("Q4_0", Q.Q4_0, Q.Q4_1),        # llama-quantize guards the first eighth's ffn_down only with a matrix
+    ("Q5_0", Q.Q5_0, Q.Q5_1),
+    ("IQ4_NL", Q.Q5_K, Q.IQ4_NL),    # ... and raises IQ4's first eighth only without one
+    ("IQ4_XS", Q.Q5_K, Q.IQ4_XS),
+])
+def test_ffn_down_of_the_first_eighth_depends_on_an_importance_matrix(ftype, without, with_matrix):
+    """llama-quant.cpp's has_imatrix branches (checked against llama-quantize itself on the demo:
+    bench/results/imatrix_llamacpp.md)."""
+    for has, want in ((False, without), (True, with_matrix)):
+        t = _types(plan_types(_dense(16, tied=False), ftype, n_layer=16, n_head=8, n_head_kv=2, has_imatrix=has))
+        assert [t[f"blk.{i}.ffn_down.weight"] for i in range(3)] == [want, want, FILE_TYPES[ftype].default_type]
+
+
 def test_tied_embeddings_follow_output_rule():
     t = _types(plan_types(_dense(4), "Q5_K_S", n_layer=4, n_head=8, n_head_kv=2, tied_embeddings=True))
     assert t["token_embd.weight"] == Q.Q6_K

@@ -87,8 +87,8 @@ class GGUFBackend(Backend):
                                           n_layer=cfg.num_layers, n_head=cfg.num_heads, n_head_kv=cfg.num_kv_heads,
                                           n_expert=expert_count(model),
                                           tied_embeddings=all(t.name != "output.weight" for t in tensors),
-                                          overrides=overrides,
-                                          pure=settings.pure)
+                                          overrides=overrides, pure=settings.pure,
+                                          has_imatrix=settings.imatrix or settings.imatrix_loaded is not None)
         except ValueError as e:
             raise UsageError(str(e)) from None
         _refuse_impossible_overrides(tensors, overrides)

@@ -250,6 +250,7 @@ class _Ctx:
     n_gqa: int
     n_expert: int
     is_70b: bool
+    has_imatrix: bool = False   # llama-quantize given an importance matrix
 
 
 # condition label -> predicate; the label is what ends up in TensorChoice.reason
@@ -260,6 +261,8 @@ _CONDITIONS: dict[str, Callable[[_Ctx], bool]] = {
     "i_attention_wv<4": lambda c: c.i_wv < 4,
     "use_more_bits(i_attention_wv)": lambda c: use_more_bits(c.i_wv, c.n_wv),
     "layer<n/8": lambda c: c.i_layer < c.n_layer // 8,
+    "layer<n/8 without imatrix": lambda c: c.i_layer < c.n_layer // 8 and not c.has_imatrix,
+    "layer<n/8 with imatrix": lambda c: c.i_layer < c.n_layer // 8 and c.has_imatrix,
     "layer<n/16": lambda c: c.i_layer < c.n_layer // 16,
     "use_more_bits(layer)": lambda c: use_more_bits(c.i_layer, c.n_layer),
     "n_expert==8": lambda c: c.n_expert == 8,
@@ -302,8 +305,11 @@ _RULES: dict[str, tuple[tuple[frozenset[str], str, GGMLQuantizationType], ...]] 
         (frozenset({"Q3_K_M"}), "always", Q.Q4_K),
         (frozenset({"Q3_K_L"}), "always", Q.Q5_K),
         (frozenset({"Q4_K_M", "Q5_K_M"}), "use_more_bits(layer)", Q.Q6_K),
-        (frozenset({"IQ4_NL", "IQ4_XS"}), "layer<n/8", Q.Q5_K),   # only without imatrix
+        (frozenset({"IQ4_NL", "IQ4_XS"}), "layer<n/8 without imatrix", Q.Q5_K),
         (frozenset({"Q4_K_S"}), "layer<n/8", Q.Q5_K),
+        # with an importance matrix llama-quantize guards the first eighth's ffn_down with the type's min variant
+        (frozenset({"Q4_0"}), "layer<n/8 with imatrix", Q.Q4_1),
+        (frozenset({"Q5_0"}), "layer<n/8 with imatrix", Q.Q5_1),
     ),
     "attn_output": (
         (frozenset({"Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS"}), "n_expert==8", Q.Q5_K),
@@ -404,6 +410,7 @@ def plan_types(
     tied_embeddings: bool = False,
     overrides: list[tuple[str, str]] = (),
     pure: bool = False,
+    has_imatrix: bool = False,
 ) -> list[TensorChoice]:
     """Per-tensor ggml types that ``llama-quantize`` picks for ``file_type``.
 
@@ -411,7 +418,8 @@ def plan_types(
     ne[0] = row length first).  The whole list is needed: the attention-V
     count and the presence of ``output.weight`` influence other tensors.
     ``overrides``: ``--tensor-type`` pairs (regex, type name); the first
-    pattern found (``re.search``) in a name wins.  ``pure``: ``--pure``.
+    pattern found (``re.search``) in a name wins.  ``pure``: ``--pure``.  ``has_imatrix``: an importance
+    matrix is given (some ffn_down choices depend on it).
 
     Tensors that are not quantized (1-D, norms, routers, ...) are reported as
     F32 (what the converter writes for them).  Returns one
@@ -488,7 +496,7 @@ def plan_types(
                 counters[cat] += 1
             else:
                 i_layer = -1
-            ctx = _Ctx(i_layer, n_layer, i_wv, n_wv, n_gqa, n_expert, is_70b)
+            ctx = _Ctx(i_layer, n_layer, i_wv, n_wv, n_gqa, n_expert, is_70b, has_imatrix)
 
             if cat == "output" or (cat == "token_embd" and tied):
                 role = "output" if cat == "output" else "output (tied token_embd)"
