@@ -149,15 +149,8 @@ EXPLAINED = {
     ("gguf:Q4_K_M --imatrix", "peak RAM"):
         "bimodal: identical runs of the demo peak at 0.57-0.60 GiB or at 1.12-1.21 GiB.  glibc raises its mmap "
         "threshold as large blocks are freed and then keeps the weighted encoders' freed temporaries in its heap "
-        "(MALLOC_MMAP_THRESHOLD_=33554432 gave 0.61 GiB in every run tried, ~25% slower).  The estimate follows "
+        "(MALLOC_MMAP_THRESHOLD_=33554432 gave 0.61 GiB in the one run tried, 24 s against 16-21 s).  The estimate follows "
         "the lower mode",
-    ("gguf:Q4_K_M --imatrix", "time"):
-        "the pass's own statistics (float64 sums of x² per input group) and the matrix's assembly are not in the "
-        "probe: 4-6 s of a 15-18 s run of the demo",
-    ("exl2:4.0bpw", "time"):
-        "the probe times one layout (groups of 64), while the measurement's ~40 distinct layouts per layer cost "
-        "0.07-0.26 s each on the demo's gate (groups of 32 fastest); weighing each layout on 512 rows moved "
-        "the estimate further off (712 s), so it is still the single probe",
     ("bnb:nf4", "time"):
         "a 3.6 s run: the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
         "benchmark has just written, still in the page cache",

@@ -3,6 +3,7 @@ quantkit's own EXL2 quantizer on the shared capture pass (CPU or GPU)."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from ...artifact import model_stem
 from ...device import resolve_device
 from ...errors import UsageError
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, folder_disk, layer_params, layer_walk, pass_seconds,
-                           stream_bytes)
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_walk, pass_seconds, stream_bytes
 from . import algorithm, spec as exl2_spec
 from .job import EXL2Job
 from .layout import check_model, head_name, slots
@@ -171,35 +171,65 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
     """(this job's walks of the layers, its own work): two walks with measurement, one without; per layer the
     measurement quantizes each linear once per distinct layout of its table and re-runs each sub-block once per
     option on its windows (its share of the layer's forward, from the pass's probe); pass 2 quantizes each linear
-    once, then the head.  A quantization is an act-order GPTQ column loop, timed here (`_probe_quantize`)."""
+    once, then the head.  The quantizations are timed here (`_probe_quantize`)."""
     walk = pass_seconds(model, samples, seqlen, device)
     _, per_window = layer_walk(model, seqlen, device)
-    cost = _probe_quantize(model, s, device)
     shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    cost = _probe_quantize(model, shapes, s, device)
     layer_weights = sum(shapes[lin][0] * shapes[lin][1] for _, _, names in slots(model)[:2] for lin in names)
     own = 0.0
     for _, _, names in slots(model)[:2]:                # layer 0's attention and MLP
         table = ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS
-        own += sum(cost(*shapes[lin]) for lin in names)                                  # pass 2
+        own += sum(cost(shapes[lin]) for lin in names)                                   # pass 2
         if measure:
             share = sum(shapes[lin][0] * shapes[lin][1] for lin in names) / layer_weights
             windows = min(samples, s.measure_samples or samples)
-            own += sum(len(layouts) * cost(*shapes[lin]) for lin, layouts in zip(names, distinct(table)))
+            own += sum(cost(shapes[lin], lay) for lin, layouts in zip(names, distinct(table)) for lay in layouts)
             own += len(table) * per_window / 2 * share * windows
-    head = cost(model.config.vocab_size, model.config.hidden_size)
+    head = cost((model.config.vocab_size, model.config.hidden_size))
     return walk * (2 if measure else 1), own * model.num_layers + head
 
 
-def _probe_quantize(model, s, device: torch.device):
-    """cost(rows, columns) in seconds of one EXL2 quantization here, probed on the layer's largest linear."""
-    shapes = [tuple(t.shape) for n, t in model.layer(0).items() if n.endswith(".weight") and t.dim() == 2]
-    n, k = max(shapes, key=lambda shape: shape[0] * shape[1])
+def _probe_quantize(model, shapes: dict, s, device: torch.device):
+    """cost(shape, layout) in seconds of one EXL2 quantization here.  Each linear shape of layer 0 is timed at one
+    layout; the layouts of each table are weighed against it on the table's largest linear (up to 1024 rows),
+    since they cost up to 3x apart (the demo's gate: 0.07 s at groups of 32, 0.19-0.21 s at 64 and 128).  A shape
+    the layer does not have (the head) scales from the largest linear by its columns' count and weights."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * k, k, generator=gen)
-    prep = algorithm.prepare((x.T @ x / x.shape[0]).to(device), s.damp)
-    w = torch.randn(n, k, generator=gen).to(device)
-    layout = distinct(MLP_OPTIONS)[0][0]
-    return column_loop_cost(lambda rows: algorithm.quantize(w[:rows], prep, layout), n, k)
+    base = distinct(MLP_OPTIONS)[0][0]
+    prepared: dict[int, algorithm.Prepared] = {}
+
+    def prep(k: int) -> algorithm.Prepared:
+        if k not in prepared:
+            x = torch.randn(2 * k, k, generator=gen)
+            prepared[k] = algorithm.prepare((x.T @ x / x.shape[0]).to(device), s.damp)
+        return prepared[k]
+
+    def timed(w: torch.Tensor, lay) -> float:
+        algorithm.quantize(w[:8], prep(w.shape[1]), lay)          # first-call set-up is not per weight
+        t0 = time.perf_counter()
+        algorithm.quantize(w, prep(w.shape[1]), lay)
+        return time.perf_counter() - t0
+
+    linears = [n for _, _, names in slots(model)[:2] for n in names]
+    per_shape = {shapes[n]: timed(torch.randn(shapes[n], generator=gen).to(device), base) for n in linears}
+    ratio = {}
+    for _, _, names in slots(model)[:2]:
+        table = ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS
+        big = max(names, key=lambda n: shapes[n][0] * shapes[n][1])
+        w = torch.randn(min(shapes[big][0], 1024), shapes[big][1], generator=gen).to(device)
+        reference = timed(w, base)
+        for layouts in distinct(table):
+            for lay in layouts:
+                ratio.setdefault(lay, timed(w, lay) / reference)
+    largest = max(per_shape, key=lambda sh: sh[0] * sh[1])
+
+    def cost(shape: tuple[int, int], lay=None) -> float:
+        seconds = per_shape.get(shape)
+        if seconds is None:
+            seconds = per_shape[largest] * shape[0] * shape[1] / (largest[0] * largest[1])
+        return seconds * (ratio.get(lay, 1.0) if lay is not None else 1.0)
+    return cost
 
 
 BACKEND = EXL2Backend()
