@@ -93,6 +93,18 @@ def pass_seconds(model, samples: int, seqlen: int, device) -> float:
     return (per_layer + per_window * samples) * model.num_layers
 
 
+def layer_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Layer 0's tensors' shapes by name without ".weight" (the block's linear names), read once per model in
+    this process: every format's probe asks for them."""
+    key = str(model.folder)
+    if key not in _shapes:
+        _shapes[key] = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    return _shapes[key]
+
+
+_shapes: dict[str, dict] = {}
+
+
 def layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     """(seconds to read a layer and make its working copy, seconds per calibration window of its staged walk,
     about two forwards of the layer), probed once per model and window length in this process."""
@@ -142,7 +154,7 @@ def statistics_seconds(model, samples: int, seqlen: int, device, accumulator) ->
     import time
 
     import torch
-    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    shapes = layer_shapes(model)
     seconds = 0.0
     for group in model.block(0).groups:
         width = shapes[group.linears[0]][1]
@@ -155,7 +167,7 @@ def statistics_seconds(model, samples: int, seqlen: int, device, accumulator) ->
 
 
 def column_loop_cost(quantize_rows, rows: int, columns: int):
-    """cost(rows, columns) in seconds of a column-by-column quantizer (GPTQ's, EXL2's) here: a fixed amount per
+    """cost(rows, columns) in seconds of a column-by-column quantizer (GPTQ's) here: a fixed amount per
     column (the loop's Python steps and launches) plus an amount per weight, solved from timing
     `quantize_rows(r)` on the first r rows of a probe matrix of `columns` columns at `rows` and at an eighth of
     it, after a warm-up (first-call set-up is not per column)."""

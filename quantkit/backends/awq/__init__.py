@@ -15,8 +15,8 @@ from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...model.block import Attention, MoE
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_walk, pass_ram, pass_seconds,
-                           stream_bytes)
+from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_shapes, layer_walk, pass_ram,
+                           pass_seconds, stream_bytes)
 from . import spec as awq_spec
 from .algorithm import AWQSettings
 from .job import AWQJob
@@ -178,7 +178,7 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     walk = pass_seconds(model, samples, seqlen, device)
     _, per_window = layer_walk(model, seqlen, device)
     forward = per_window / 2                            # the staged walk runs each sub-block about twice
-    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+    shapes = layer_shapes(model)
     block = model.block(0)
     total = sum(shapes[lin][0] * shapes[lin][1] for lin in block.linears)
     flops = matmul_flops(device, torch.float32)

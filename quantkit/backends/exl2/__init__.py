@@ -14,7 +14,8 @@ from ...artifact import model_stem
 from ...device import resolve_device
 from ...errors import UsageError
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_walk, pass_seconds, stream_bytes
+from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_shapes, layer_walk, pass_seconds,
+                           stream_bytes)
 from . import algorithm, spec as exl2_spec
 from .job import EXL2Job
 from .layout import check_model, head_name, slots
@@ -174,12 +175,12 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
     once, then the head.  The quantizations are timed here (`_probe_quantize`)."""
     walk = pass_seconds(model, samples, seqlen, device)
     _, per_window = layer_walk(model, seqlen, device)
-    shapes = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
-    cost = _probe_quantize(model, shapes, s, device)
-    layer_weights = sum(shapes[lin][0] * shapes[lin][1] for _, _, names in slots(model)[:2] for lin in names)
+    shapes = layer_shapes(model)
+    blocks = _layer0_tables(model)
+    cost = _probe_quantize(blocks, shapes, s, device)
+    layer_weights = sum(shapes[lin][0] * shapes[lin][1] for names, _ in blocks for lin in names)
     own = 0.0
-    for _, _, names in slots(model)[:2]:                # layer 0's attention and MLP
-        table = ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS
+    for names, table in blocks:
         own += sum(cost(shapes[lin]) for lin in names)                                   # pass 2
         if measure:
             share = sum(shapes[lin][0] * shapes[lin][1] for lin in names) / layer_weights
@@ -190,7 +191,12 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
     return walk * (2 if measure else 1), own * model.num_layers + head
 
 
-def _probe_quantize(model, shapes: dict, s, device: torch.device):
+def _layer0_tables(model) -> list[tuple[tuple[str, ...], tuple]]:
+    """Layer 0's attention and MLP: their linears in table order and the option table each is measured with."""
+    return [(names, ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS) for _, _, names in slots(model)[:2]]
+
+
+def _probe_quantize(blocks: list, shapes: dict, s, device: torch.device):
     """cost(shape, layout) in seconds of one EXL2 quantization here.  Each linear shape of layer 0 is timed at one
     layout; the layouts of each table are weighed against it on the table's largest linear (up to 1024 rows),
     since they cost up to 3x apart (the demo's gate: 0.07 s at groups of 32, 0.19-0.21 s at 64 and 128).  A shape
@@ -211,11 +217,10 @@ def _probe_quantize(model, shapes: dict, s, device: torch.device):
         algorithm.quantize(w, prep(w.shape[1]), lay)
         return time.perf_counter() - t0
 
-    linears = [n for _, _, names in slots(model)[:2] for n in names]
+    linears = [n for names, _ in blocks for n in names]
     per_shape = {shapes[n]: timed(torch.randn(shapes[n], generator=gen).to(device), base) for n in linears}
     ratio = {}
-    for _, _, names in slots(model)[:2]:
-        table = ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS
+    for names, table in blocks:
         big = max(names, key=lambda n: shapes[n][0] * shapes[n][1])
         w = torch.randn(min(shapes[big][0], 1024), shapes[big][1], generator=gen).to(device)
         reference = timed(w, base)
