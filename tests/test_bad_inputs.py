@@ -396,21 +396,42 @@ def test_file_size_limit_mid_write_leaves_nothing(good, tmp_path):
 
 SIGNAL_ROWS = [("SIGINT", signal.SIGINT, 130), ("SIGTERM", signal.SIGTERM, 143)]
 
+# The run is held inside the pass (after GPTQ's layer 0) until the signal comes: on a loaded 2-core machine a tiny
+# run can end, or reach its final renames, between two polls of the parent, so waiting for a file to appear and
+# then signalling is a race.  The hold is a sleep, interrupted by the signal as any computation would be.
+HELD_RUN = """
+import sys, time
+from pathlib import Path
+from quantkit.backends.gptq.job import GPTQJob
+from quantkit.cli import run
+finish, marker = GPTQJob.finish_layer, Path(sys.argv[1])
+def held(self, ctx):
+    finish(self, ctx)
+    marker.touch()
+    time.sleep(600)
+GPTQJob.finish_layer = held
+sys.argv[1:] = sys.argv[2:]
+run()
+"""
+
 
 @pytest.mark.parametrize("name, sig, code", SIGNAL_ROWS, ids=[r[0] for r in SIGNAL_ROWS])
 def test_signal_mid_run_cleans_up(name, sig, code, good, tmp_path):
     """Ctrl-C or a scheduler's SIGTERM part way through a calibrated run without resume: exit 130 / 143, one line,
     and the output folder as it was (with resume on, the commit point is kept on purpose: tests/test_resume.py)."""
     model, text, _ = good
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "quantkit", "convert", str(model), "-o", str(out),
+    out, held = tmp_path / "out", tmp_path / "held"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_RUN, str(held), "convert", str(model), "-o", str(out),
                              "-f", "gptq:4bit-g32", "-f", "bnb:nf4", "--no-resume", "--calib", str(text),
                              "--calib-samples", "64", "--calib-seqlen", "32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
     deadline = time.time() + 300
-    while time.time() < deadline and not any(p.name.startswith(".partial-") for p in out.glob(".*")):
+    while time.time() < deadline and not held.exists() and proc.poll() is None:
         time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()
+    if not held.exists():
+        proc.kill()
+    assert held.exists() and proc.poll() is None, proc.communicate()
+    assert any(p.name.startswith(".partial-") for p in out.glob(".*"))    # the interrupt lands mid-write
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
