@@ -309,6 +309,11 @@ def _convert_calibrated(model, items, settings: dict, collectors: list, options:
                 job.abort()
             if checkpoint is not None:
                 checkpoint.settle()
+            if checkpoint is None or not isinstance(e, INTERRUPTS) or checkpoint.saved is None:
+                for collector in collectors:    # what a collector spilled for the writer (GGUF's error feedback)
+                    if hasattr(collector, "discard"):
+                        collector.discard()
+            if checkpoint is not None:
                 if isinstance(e, INTERRUPTS) and checkpoint.saved is not None:
                     e.resume_note = (f"rerun the same command to resume after layer {checkpoint.saved.layer}"
                                      + (f" of pass {checkpoint.saved.pass_index + 1}" if checkpoint.saved.pass_index else "")

@@ -30,12 +30,12 @@ def test_gptq_has_lower_output_error_than_round_to_nearest(bits, act):
 
 
 def test_blocked_updates_equal_the_column_by_column_algorithm():
-    from quantkit.backends.gptq.algorithm import _grid, _inverse_cholesky
+    from quantkit.backends.gptq.algorithm import _grid, inverse_cholesky
     x, w, h = _problem()
     s = GPTQSettings(bits=4, group_size=64, group_aware=False, block_size=128)
     fast = gptq_quantize(w, h, s)
     W = w.clone()
-    U, _ = _inverse_cholesky(h, s)
+    U, _ = inverse_cholesky(h, s)
     Q = torch.zeros_like(W)
     for i in range(W.shape[1]):  # the textbook loop: every update applied to the whole matrix at once
         if i % 64 == 0:

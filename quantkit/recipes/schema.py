@@ -42,6 +42,7 @@ class ConvertOptions(_Strict):
     imatrix_out: Optional[str] = None
     imatrix_format: Optional[Literal["gguf", "dat"]] = None
     imatrix_file: Optional[str] = None
+    error_feedback: bool = False
     act_order: Optional[bool] = None
     static_groups: Optional[bool] = None
     group_aware: Optional[bool] = None

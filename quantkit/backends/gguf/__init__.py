@@ -42,6 +42,7 @@ class GGUFSettings:
     imatrix_format: str = "gguf"                   # that file's layout (imatrix_file.FORMATS)
     imatrix_loaded: imatrix_file.Imatrix | None = field(default=None, compare=False)   # --imatrix-file, read
     split_max_bytes: int | None = None             # --split-max-size: llama.cpp's split layout (split.py)
+    feedback: bool = False                         # --error-feedback: GPTQ's error feedback (feedback.py)
 
 
 class GGUFBackend(Backend):
@@ -51,7 +52,7 @@ class GGUFBackend(Backend):
                      "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization",
                      "imatrix_file": "weights GGUF quantization", "imatrix_out": "writes GGUF's importance matrix",
                      "imatrix_format": "writes GGUF's importance matrix",
-                     "split_max_size": "splits GGUF files"}
+                     "split_max_size": "splits GGUF files", "error_feedback": "quantizes GGUF with error feedback"}
 
     def settings(self, options: dict) -> GGUFSettings:
         out, fmt, loaded = imatrix_file.file_options(options, collecting=bool(options.get("imatrix")))
@@ -60,14 +61,23 @@ class GGUFBackend(Backend):
                             pure=bool(options.get("pure")), tokenizer_pre=options.get("tokenizer_pre"),
                             imatrix=bool(options.get("imatrix")),
                             imatrix_out=out, imatrix_format=fmt, imatrix_loaded=loaded,
-                            split_max_bytes=parse_size(options["split_max_size"]) if options.get("split_max_size") else None)
+                            split_max_bytes=parse_size(options["split_max_size"]) if options.get("split_max_size") else None,
+                            feedback=bool(options.get("error_feedback")))
 
     def pass_jobs(self, model, items, settings: GGUFSettings) -> list:
-        """The importance matrix, when asked for: llama-imatrix's statistics from the shared capture pass."""
-        if not settings.imatrix:
-            return []
-        from ...calibration.imatrix import ImatrixCollector
-        return [ImatrixCollector(model, resolve_device(settings.run.device))]
+        """The importance matrix, when asked for: llama-imatrix's statistics from the shared capture pass; with
+        --error-feedback, each file's decoder linears, quantized in the pass (feedback_job.py)."""
+        device = resolve_device(settings.run.device)
+        jobs = []
+        if settings.imatrix:
+            from ...calibration.imatrix import ImatrixCollector
+            jobs.append(ImatrixCollector(model, device))
+        if settings.feedback:
+            from .feedback_job import FeedbackEncoder
+            jobs += [FeedbackEncoder(model, spec.name, Path(plan.output),
+                                     {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, device)
+                     for spec, plan in items]
+        return jobs
 
     def variants(self) -> list[str]:
         return list(mixtures.FILE_TYPES)
@@ -88,7 +98,8 @@ class GGUFBackend(Backend):
                                           n_expert=expert_count(model),
                                           tied_embeddings=all(t.name != "output.weight" for t in tensors),
                                           overrides=overrides, pure=settings.pure,
-                                          has_imatrix=settings.imatrix or settings.imatrix_loaded is not None)
+                                          has_imatrix=(settings.imatrix or settings.imatrix_loaded is not None
+                                                       or settings.feedback))
         except ValueError as e:
             raise UsageError(str(e)) from None
         _refuse_impossible_overrides(tensors, overrides)
@@ -166,18 +177,32 @@ class GGUFBackend(Backend):
         tensors = gguf_tensors(model)
         # the collected matrix goes through llama-imatrix's file contents, so that it weights the rounding exactly
         # as llama-quantize given that file would
-        matrix = settings.imatrix_loaded
-        for collector in collected or ():
-            matrix = imatrix_file.from_collector(model, collector, settings.run.calib, settings.run.calib_seqlen,
-                                                 settings.imatrix_out)
-        imatrix = imatrix_file.importance_for(model, matrix) if matrix is not None else None
-        jobs = [FileJob(Path(out_dir) / output_name(model, spec.name), int(spec.file_type),
-                        {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, settings.split_max_bytes)
-                for spec, plan in items]
-        written = write_files(model, tensors, jobs, name=model_base_name(model.name),
-                              device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
-                              progress=progress, imatrix=imatrix,
-                              imatrix_info=matrix.provenance() if matrix is not None else None)
+        from .feedback_job import FeedbackEncoder
+        feedback = [c for c in collected or () if isinstance(c, FeedbackEncoder)]
+        try:
+            matrix = settings.imatrix_loaded
+            for collector in collected or ():
+                if not isinstance(collector, FeedbackEncoder):
+                    matrix = imatrix_file.from_collector(model, collector, settings.run.calib,
+                                                         settings.run.calib_seqlen, settings.imatrix_out)
+            imatrix = imatrix_file.importance_for(model, matrix) if matrix is not None else None
+            jobs = [FileJob(Path(out_dir) / output_name(model, spec.name), int(spec.file_type),
+                            {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, settings.split_max_bytes)
+                    for spec, plan in items]
+            info = matrix.provenance() if matrix is not None else None
+            for job, encoder in zip(jobs, feedback):   # one encoder per file, in the order of items
+                job.encoded, job.imatrix = encoder.encoded, imatrix or encoder.importance
+                # its search was weighted by the pass's mean squares: the keys llama-quantize writes for a matrix
+                info = info or {"file": "quantkit calibration pass", "dataset": str(settings.run.calib or ""),
+                                "entries": sum(1 for t in tensors if t.source in encoder.importance
+                                               or any(n in encoder.importance for n in t.stack)),
+                                "chunks": encoder.chunks}
+            written = write_files(model, tensors, jobs, name=model_base_name(model.name),
+                                  device=resolve_device(settings.run.device), tokenizer_pre=settings.tokenizer_pre,
+                                  progress=progress, imatrix=imatrix, imatrix_info=info)
+        finally:
+            for encoder in feedback:
+                encoder.discard()
         if settings.imatrix_out and collected:
             imatrix_file.save(matrix, settings.imatrix_out, settings.imatrix_format)
         return written

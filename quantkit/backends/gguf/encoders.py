@@ -42,6 +42,9 @@ Block layouts follow ggml-common.h; see docs/formats/gguf.md section 4.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -49,7 +52,7 @@ from gguf import quants as _gguf_quants
 
 from .fusion import fused, padded_columns
 
-__all__ = ["quantize", "dequantize", "SUPPORTED", "FUSED_TYPES"]
+__all__ = ["quantize", "dequantize", "with_codes", "SUPPORTED", "FUSED_TYPES", "CODE_LAYOUTS"]
 
 QT = GGMLQuantizationType
 
@@ -844,8 +847,7 @@ def _enc_q5_0(x, qw, ctx):
         d = _div(mx, -16.0)
         idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
         q = _i8(_cvt_i32(x * idd + 16.5)).clamp(max=31) & 0xFF
-    qh = _bits32((q >> 4) & 1)
-    return torch.cat([_f16_bytes(d), qh, _pack_nibbles_halves(q & 0xF)])
+    return torch.cat([_f16_bytes(d), _pack_5bit_halves(q)])
 
 
 def _scale_min_codes(x, qw, ctx, nmax: int, to_code):
@@ -869,8 +871,7 @@ def _enc_q4_1(x, qw, ctx):
 
 def _enc_q5_1(x, qw, ctx):
     d, m, q = _scale_min_codes(x, qw, ctx, 31, _u8)
-    qh = _bits32((q >> 4) & 1)
-    return torch.cat([_f16_bytes(d), _f16_bytes(m), qh, _pack_nibbles_halves(q & 0xF)])
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), _pack_5bit_halves(q)])
 
 
 def _sumsq_seq(x):
@@ -962,12 +963,7 @@ def _q3_finish(x, d, s, L):
     X = x.view(16, 16, nb)
     lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -4, 3) + 4
     L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
-    hb = (L > 3).to(torch.int32)
-    low = L & 3
-    hv = hb.view(8, 32, nb)
-    sh = torch.arange(8, device=x.device, dtype=torch.int32).view(8, 1, 1)
-    hmask = (hv << sh).sum(0)
-    return torch.cat([hmask, _pack_2bit(low), _pack_q3_scales(s), _f16_bytes(d)])
+    return torch.cat([_pack_q3_codes(L), _pack_q3_scales(s), _f16_bytes(d)])
 
 
 def _pack_k4_scales(ls, lm):
@@ -1030,6 +1026,39 @@ def _pack_k_nibbles(L):
     v = L.view(4, 2, 32, nb)
     return (v[:, 0] | (v[:, 1] << 4)).reshape(128, nb)
 
+def _pack_5bit_halves(q: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 codes (32, nb) 0..31 -> (20, nb): qh (bit 4 of each, a little-endian uint32), then the nibbles."""
+    return torch.cat([_bits32((q >> 4) & 1), _pack_nibbles_halves(q & 0xF)])
+
+
+def _high_bits(hb: torch.Tensor) -> torch.Tensor:
+    """(256, nb) 0/1 -> (32, nb): byte l holds bit c of position 32c + l (Q3_K's hmask, Q5_K's qh)."""
+    nb = hb.shape[1]
+    sh = torch.arange(8, device=hb.device, dtype=torch.int32).view(8, 1, 1)
+    return (hb.view(8, 32, nb) << sh).sum(0)
+
+
+def _pack_q3_codes(L: torch.Tensor) -> torch.Tensor:
+    """Q3_K codes (256, nb) 0..7 (value d·(L − 4)) -> (96, nb): hmask (L > 3), then the low 2 bits."""
+    return torch.cat([_high_bits((L > 3).to(torch.int32)), _pack_2bit(L & 3)])
+
+
+def _pack_q5_k_codes(L: torch.Tensor) -> torch.Tensor:
+    """Q5_K codes (256, nb) 0..31 -> (160, nb): qh (bit 4), then the low nibbles."""
+    return torch.cat([_high_bits((L >> 4) & 1), _pack_k_nibbles(L & 0xF)])
+
+
+def _pack_q6_codes(L: torch.Tensor) -> torch.Tensor:
+    """Q6_K codes (256, nb) 0..63 -> (192, nb): ql (low nibbles), then qh (the high 2 bits)."""
+    nb = L.shape[1]
+    v = L.view(2, 4, 32, nb)
+    ql = torch.cat([(v[:, 0] & 0xF) | ((v[:, 2] & 0xF) << 4),
+                    (v[:, 1] & 0xF) | ((v[:, 3] & 0xF) << 4)], 1).reshape(128, nb)
+    qh = ((v[:, 0] >> 4) | ((v[:, 1] >> 4) << 2) | ((v[:, 2] >> 4) << 4)
+          | ((v[:, 3] >> 4) << 6)).reshape(64, nb)
+    return torch.cat([ql, qh])
+
+
 
 def _enc_q4_k(x, qw, ctx):
     head, L = _k45_common(x, qw, 15, -1.0, 0.1, 20)
@@ -1038,12 +1067,7 @@ def _enc_q4_k(x, qw, ctx):
 
 def _enc_q5_k(x, qw, ctx):
     head, L = _k45_common(x, qw, 31, -0.5, 0.1, 15)
-    hb = (L >> 4) & 1
-    nb = L.shape[1]
-    hv = hb.view(8, 32, nb)
-    sh = torch.arange(8, device=x.device, dtype=torch.int32).view(8, 1, 1)
-    qh = (hv << sh).sum(0)
-    return torch.cat([head, qh, _pack_k_nibbles(L & 0xF)])
+    return torch.cat([head, _pack_q5_k_codes(L)])
 
 
 def _enc_q6_k(x, qw, ctx):
@@ -1068,12 +1092,7 @@ def _q6_finish(x, scales, L):
     X = x.view(16, 16, nb)
     lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -32, 31) + 32
     L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
-    v = L.view(2, 4, 32, nb)
-    ql = torch.cat([(v[:, 0] & 0xF) | ((v[:, 2] & 0xF) << 4),
-                    (v[:, 1] & 0xF) | ((v[:, 3] & 0xF) << 4)], 1).reshape(128, nb)
-    qh = ((v[:, 0] >> 4) | ((v[:, 1] >> 4) << 2) | ((v[:, 2] >> 4) << 4)
-          | ((v[:, 3] >> 4) << 6)).reshape(64, nb)
-    out = torch.cat([ql, qh, s & 0xFF, _f16_bytes(d)])
+    out = torch.cat([_pack_q6_codes(L), s & 0xFF, _f16_bytes(d)])
     return torch.where(zero.unsqueeze(0), torch.zeros_like(out), out)
 
 
@@ -1132,6 +1151,48 @@ _ENCODERS = {
     QT.IQ4_NL: (_enc_iq4_nl, 8, False),
     QT.IQ4_XS: (_enc_iq4_xs, 8, False),
 }
+# Where each type's codes sit in its block and how they are packed, for writers that choose codes themselves on
+# a block's own scales (feedback.py): the bytes [start, end) of a block hold pack(codes), codes (block size, nb)
+# as the encoders lay them out; code c decodes to offset + scale · levels[c], offset and scale per value (set by
+# the block's header, which stays as the search wrote it).
+@dataclass(frozen=True)
+class CodeLayout:
+    start: int
+    end: int
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    levels: tuple[int, ...]
+
+
+_UNIFORM = {n: tuple(range(n)) for n in (4, 8, 16, 32, 64, 256)}
+CODE_LAYOUTS: dict[GGMLQuantizationType, CodeLayout] = {
+    QT.Q8_0: CodeLayout(2, 34, lambda L: (L - 128) & 0xFF, _UNIFORM[256]),      # int8 stored, code = q + 128
+    QT.Q4_0: CodeLayout(2, 18, _pack_nibbles_halves, _UNIFORM[16]),
+    QT.Q4_1: CodeLayout(4, 20, _pack_nibbles_halves, _UNIFORM[16]),
+    QT.Q5_0: CodeLayout(2, 22, _pack_5bit_halves, _UNIFORM[32]),
+    QT.Q5_1: CodeLayout(4, 24, _pack_5bit_halves, _UNIFORM[32]),
+    QT.Q2_K: CodeLayout(16, 80, _pack_2bit, _UNIFORM[4]),
+    QT.Q3_K: CodeLayout(0, 96, _pack_q3_codes, _UNIFORM[8]),
+    QT.Q4_K: CodeLayout(16, 144, _pack_k_nibbles, _UNIFORM[16]),
+    QT.Q5_K: CodeLayout(16, 176, _pack_q5_k_codes, _UNIFORM[32]),
+    QT.Q6_K: CodeLayout(0, 192, _pack_q6_codes, _UNIFORM[64]),
+    QT.IQ4_NL: CodeLayout(2, 18, _pack_nibbles_halves, _KVALUES_IQ4NL),
+    QT.IQ4_XS: CodeLayout(8, 136, _pack_nibbles_halves, _KVALUES_IQ4NL),
+}
+
+
+def with_codes(data: np.ndarray, qtype: GGMLQuantizationType, codes: torch.Tensor) -> np.ndarray:
+    """`data` (rows, bytes per row) with every block's codes replaced by `codes` (rows, row length) (see
+    CODE_LAYOUTS); the headers (scales, minimums) are kept."""
+    layout = CODE_LAYOUTS[GGMLQuantizationType(qtype)]
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    rows = data.shape[0]
+    blocks = codes.to(device="cpu", dtype=torch.int32).reshape(-1, bs).t().contiguous()
+    packed = layout.pack(blocks).t().to(torch.uint8).numpy()
+    out = np.array(data, dtype=np.uint8, copy=True).reshape(-1, ts)
+    out[:, layout.start:layout.end] = packed
+    return out.reshape(rows, -1)
+
+
 # with an importance matrix the legacy types run a 19/37-candidate search (chunk sizing)
 _IMATRIX_WORK = {QT.Q4_0: 2, QT.Q5_0: 2, QT.Q4_1: 1, QT.Q5_1: 1, QT.Q2_K: 1,
                  QT.Q3_K: 2, QT.Q4_K: 1, QT.Q5_K: 1}

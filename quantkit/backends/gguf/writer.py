@@ -11,6 +11,7 @@ import math
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -32,6 +33,10 @@ class FileJob:
     file_type: int                                  # general.file_type
     types: dict[str, gguf.GGMLQuantizationType]     # GGUF tensor name -> type
     split_max_bytes: int | None = None              # llama.cpp's split layout (split.py) above this size
+    # tensors made elsewhere (error feedback: GGUF name -> its bytes, None for the ones to encode here) and the
+    # importance vectors (HF weight name -> vector) this file's own encoding uses instead of the run's
+    encoded: Callable[[str], np.ndarray | None] | None = None
+    imatrix: dict[str, torch.Tensor] | None = None
 
     def parts(self, tensors: list[GGUFTensor]) -> tuple[list[Path], list[int]]:
         """The files written (one, or the split's parts) and each tensor's part."""
@@ -108,11 +113,11 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
     template = gguf.GGUFWriter(None, arch)
     add_hparams(template, model, name=name)
     add_tokenizer(template, model, tokenizer_pre)
-    if imatrix:
+    if imatrix or any(job.imatrix for job in jobs):
         info = imatrix_info or {}
         template.add_string("quantize.imatrix.file", str(info.get("file", "")))
         template.add_string("quantize.imatrix.dataset", str(info.get("dataset", "")))
-        template.add_uint32("quantize.imatrix.entries_count", int(info.get("entries", len(imatrix))))
+        template.add_uint32("quantize.imatrix.entries_count", int(info.get("entries", len(imatrix or ()))))
         if info.get("chunks"):   # llama-quantize leaves the key out for a file that does not say
             template.add_uint32("quantize.imatrix.chunks_count", int(info["chunks"]))
     with ExitStack() as stack:
@@ -145,19 +150,28 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
                              for q in {job.types[t.name] for job in jobs} if q in encoders.FUSED_TYPES))
         tasks = [progress.task(job.path.name, total=len(tensors)) for job in jobs]
         for i, t in enumerate(tensors):
-            src = load_source(model, t)
-            # one reduction catches NaN/inf (a finite sum overflowing only costs the full check)
-            if not torch.isfinite(src.sum()) and not torch.isfinite(src).all():
-                raise QuantizationError(f"{t.source or t.name}: contains NaN or infinite values; cannot quantize")
-            src = src.to(device).reshape(-1, t.shape[-1])
-            done: dict[gguf.GGMLQuantizationType, np.ndarray | _Streamed] = {}
-            for job, per_tensor, task in zip(jobs, writers, tasks):
+            made = [job.encoded(t.name) if job.encoded else None for job in jobs]
+            src = None
+            if any(m is None for m in made):
+                src = load_source(model, t)
+                # one reduction catches NaN/inf (a finite sum overflowing only costs the full check)
+                if not torch.isfinite(src.sum()) and not torch.isfinite(src).all():
+                    raise QuantizationError(f"{t.source or t.name}: contains NaN or infinite values; cannot quantize")
+                src = src.to(device).reshape(-1, t.shape[-1])
+            done: dict[tuple, np.ndarray | _Streamed] = {}
+            for job, per_tensor, task, data in zip(jobs, writers, tasks, made):
                 q = job.types[t.name]
-                if q not in done and q in _PLAIN:
-                    done[q] = _Streamed(src, q, tensor_nbytes(t, q))
-                elif q not in done:
-                    done[q] = _encode(src, t, q, imatrix)
-                per_tensor[i].write_tensor_data(done[q])
+                weights = job.imatrix if job.imatrix is not None else imatrix
+                key = (q, id(weights))
+                if data is not None:
+                    per_tensor[i].write_tensor_data(data.reshape(byte_shape(t, q)))
+                    task.advance()
+                    continue
+                if key not in done and q in _PLAIN:
+                    done[key] = _Streamed(src, q, tensor_nbytes(t, q))
+                elif key not in done:
+                    done[key] = _encode(src, t, q, weights)
+                per_tensor[i].write_tensor_data(done[key])
                 task.advance()
             del src, done
         for per_tensor, task in zip(writers, tasks):

@@ -116,7 +116,7 @@ def _fake_quant(w, scale, zero, maxq):
     return scale * (_codes(w, scale, zero, maxq) - zero)
 
 
-def _inverse_cholesky(H: torch.Tensor, s: GPTQSettings) -> tuple[torch.Tensor, float]:
+def inverse_cholesky(H: torch.Tensor, s: GPTQSettings) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + λ·mean(diag)·I)⁻¹, raising λ until the factorization succeeds."""
     mean_diag = torch.mean(torch.diag(H)).item()
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
@@ -179,7 +179,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, s: GPTQSettings) -> GPTQResu
         static = [_grid(W[:, g * gs:(g + 1) * gs], s) for g in range(groups)]
     W = W[:, perm]
     H = H[perm][:, perm]
-    U, damp = _inverse_cholesky(H, s)
+    U, damp = inverse_cholesky(H, s)
     del H
     # The group of each visited column: its original column's group, or its run in visiting order.
     group_of = perm // gs if fixed_groups else torch.arange(K, device=W.device) // gs

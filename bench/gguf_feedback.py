@@ -1,0 +1,138 @@
+"""Benchmark: GGUF with error feedback (`--error-feedback`) beside llama.cpp's plain and importance-matrix
+quants of the same file type, all from the same calibration tokens, evaluated in llama.cpp itself.
+
+For each model and file type: quantkit writes the plain file, the importance-matrix file (byte-identical to
+llama-quantize --imatrix with llama-imatrix's matrix of the same tokens: bench/imatrix_llamacpp.py) and the
+error-feedback file; each runs in llama.cpp (llama-cpp-python) on wikitext-2 test against the original model:
+perplexity, mean KL divergence, top-1 agreement, file size.  The time reference is quantkit's GPTQ
+(gptq:4bit-g128) on the same model and tokens (goal: error feedback ≤ 1.5× its time).
+
+    python bench/gguf_feedback.py [--models demo,qwen] [--types Q4_K_M,Q3_K_M,Q2_K] [--samples 128]
+                                  [--seqlen 512] [--windows 40]
+
+qwen is Qwen2.5-Coder-1.5B-Instruct as ../shared/models/build.sh builds it.  Each step runs in its own process
+(bench/measure.py: wall time, peak RSS); the rows of models not rerun are kept from the committed results.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import measure  # bench/measure.py
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "_work" / "gguf_feedback"
+RESULTS = ROOT / "bench" / "results"
+SHARED = ROOT.parent / "shared"
+CALIB = SHARED / "data" / "wikitext2-valid.txt"
+TEST = SHARED / "data" / "wikitext2-test.raw.txt"
+QK = [sys.executable, "-m", "quantkit"]
+METHODS = {"plain": [], "imatrix": ["--imatrix"], "error feedback": ["--error-feedback"]}
+
+
+def model_spec(name: str) -> str:
+    if name == "demo":
+        return "demo:smollm2-135m"
+    if name == "qwen":
+        out = subprocess.run(["bash", str(SHARED / "models" / "build.sh")], capture_output=True, text=True, check=True)
+        return out.stdout.strip().splitlines()[-1]
+    return name
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    os.sync()
+    return measure.run(cmd, WORK / "last_command.log", {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def evaluate(path: Path, base: str, windows: int) -> dict:
+    out = subprocess.run(QK + ["eval", str(path), "--base", base, "--runtime", "llama.cpp", "--data", str(TEST),
+                               "--ctx", "512", "--windows", str(windows), "--json"],
+                         capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    if out.returncode:
+        sys.exit(f"eval of {path} failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout)
+    return {"perplexity": r["perplexity"], "mean_kld": r.get("mean_kld"), "top1": r.get("top1_agreement")}
+
+
+def bench_model(name: str, types: list[str], a) -> list[dict]:
+    spec = model_spec(name)
+    calib = ["--calib", str(CALIB), "--calib-samples", str(a.samples), "--calib-seqlen", str(a.seqlen), "--seed", "0"]
+    rows = []
+    out = WORK / name / "gptq"
+    wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", "gptq:4bit-g128", "--no-resume", *calib])
+    rows.append({"model": name, "type": "gptq:4bit-g128", "method": "GPTQ (time reference)", "wall_s": round(wall, 1),
+                 "peak_rss_gib": round(rss / 2**30, 3)})
+    print(rows[-1], flush=True)
+    for ftype in types:
+        for method, flags in METHODS.items():
+            out = WORK / name / method.replace(" ", "-")
+            extra = calib if flags else []
+            wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", f"gguf:{ftype}", "--no-resume",
+                                    *flags, *extra])
+            path = next(out.glob(f"*-{ftype}.gguf"))
+            row = {"model": name, "type": ftype, "method": method, "wall_s": round(wall, 1),
+                   "peak_rss_gib": round(rss / 2**30, 3), "bytes": path.stat().st_size,
+                   **evaluate(path, spec, a.windows)}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def write(rows: list[dict], a) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+            f"{platform.platform()}", "calibration": f"wikitext2-valid, {a.samples} × {a.seqlen} tokens, seed 0",
+            "evaluation": f"wikitext2-test, {a.windows} × 512 tokens, in llama.cpp (llama-cpp-python)"}
+    (RESULTS / "gguf_feedback.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["# GGUF with error feedback against llama.cpp's plain and importance-matrix quants", "",
+             f"{meta['date']} · {meta['machine']}", "",
+             f"Calibration {meta['calibration']} (the same tokens for the importance matrix and the error feedback); "
+             f"evaluation {meta['evaluation']} against the original model.", "",
+             "| model | file type | method | file bytes | perplexity | mean KLD | top-1 | KLD vs imatrix | wall s | peak RSS GiB |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "bytes" not in r:
+            continue
+        ref = next((x for x in rows if x["model"] == r["model"] and x["type"] == r["type"]
+                    and x["method"] == "imatrix"), None)
+        vs = f"{r['mean_kld'] / ref['mean_kld'] - 1:+.1%}" if ref and r["method"] != "imatrix" else ""
+        lines.append(f"| {r['model']} | {r['type']} | {r['method']} | {r['bytes']:,} | {r['perplexity']:.3f} | "
+                     f"{r['mean_kld']:.4f} | {r['top1']:.4f} | {vs} | {r['wall_s']} | {r['peak_rss_gib']} |")
+    lines += ["", "| model | GPTQ 4bit-g128 wall s | error feedback wall s (per file type) | ratio (goal ≤ 1.5) |",
+              "| --- | ---: | --- | --- |"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        g = next((r for r in rows if r["model"] == model and r["type"].startswith("gptq")), None)
+        fb = [r for r in rows if r["model"] == model and r["method"] == "error feedback"]
+        if g and fb:
+            lines.append(f"| {model} | {g['wall_s']} | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
+                         + " | " + ", ".join(f"{r['wall_s'] / g['wall_s']:.2f}" for r in fb) + " |")
+    lines += ["", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen`."]
+    (RESULTS / "gguf_feedback.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="demo")
+    ap.add_argument("--types", default="Q4_K_M,Q3_K_M,Q2_K")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=40)
+    a = ap.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    models = a.models.split(",")
+    old = RESULTS / "gguf_feedback.json"
+    kept = [r for r in json.loads(old.read_text())["rows"] if r["model"] not in models] if old.exists() else []
+    rows = kept
+    for m in models:
+        rows = rows + bench_model(m, a.types.split(","), a)
+        write(rows, a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""GGUF with GPTQ's error feedback: each linear quantized column by column in llama.cpp's own block format,
+every column's rounding error pushed onto the columns not yet quantized through the inverse Hessian.
+
+    W (N, K)  — a linear's weight as GGUF stores it (rows = outputs, each row a run of blocks along K).
+    H (K, K)  — Σ xxᵀ/n of the linear's calibration inputs (the shared pass's HessianAccumulator).
+
+For each block of `bs` columns (256 for the K-quants, 32 for the legacy and IQ4_NL types), left to right:
+1. llama.cpp's own search (encoders.quantize, importance-weighted) runs on the block's error-updated weights
+   and fixes the block's header: the super-block scale and minimum and the sub-block scales, exactly as
+   llama-quantize would choose them for these values.
+2. The block's columns are then quantized one by one on that fixed grid: each value takes its nearest code
+   (the grid is per value: offset + scale · level, CODE_LAYOUTS), e = (w − q) / U[i, i], and the error goes to
+   the later columns: w_{j>i} −= e · U[i, j] (the GPTQ update; lazy batches of whole blocks, as in
+   gptq/algorithm.py).
+3. The codes are packed into the block under the search's header (encoders.with_codes).
+
+The order.  A block's header must be chosen before its columns are (the 6-bit sub-block scales of a K-quant
+are quantized together against one super-block scale), so within a block the error of its first columns
+reaches its later ones only through their codes, never through the header; the search sees every error of
+the blocks before.  The columns keep the file's order: act-order would need a permutation the file cannot
+store, and visiting blocks by importance would leave later blocks without the earlier ones' feedback.  What
+takes act-order's place is the importance matrix in the search, which puts each header where the active
+inputs need it (bench/results/gguf_feedback.md compares these choices).
+
+The result is an ordinary block of the same type: same file size to the byte, loaded by every llama.cpp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..gptq.algorithm import GPTQSettings, inverse_cholesky, visiting_order
+from ...errors import QuantizationError
+from . import encoders
+
+SUPPORTED = frozenset(encoders.CODE_LAYOUTS)
+LAZY_COLUMNS = 256   # columns updated one by one before the rest of the matrix gets their errors in one matmul
+
+
+@dataclass
+class FeedbackResult:
+    data: np.ndarray        # (N, bytes per row) uint8: the GGUF tensor's rows
+    weight: torch.Tensor    # (N, K) float32: what llama.cpp decodes them to
+    damp: float             # the dampening used (relative to mean diag H)
+    loss: float             # Σ e² / 2, the proxy GPTQ minimises
+
+
+def block_grid(data: np.ndarray, qtype: GGMLQuantizationType, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset, scale), each `shape`: code c of each value decodes to offset + scale · levels[c].  Read back
+    through the reference decoder from two code settings, so the grid is the one llama.cpp decodes."""
+    levels = encoders.CODE_LAYOUTS[qtype].levels
+    v0 = encoders.dequantize(encoders.with_codes(data, qtype, torch.zeros(shape, dtype=torch.int32)), qtype, shape)
+    v1 = encoders.dequantize(encoders.with_codes(data, qtype, torch.ones(shape, dtype=torch.int32)), qtype, shape)
+    scale = (v1 - v0) / float(levels[1] - levels[0])
+    return v0 - scale * float(levels[0]), scale
+
+
+def nearest_codes(w: torch.Tensor, offset: torch.Tensor, inverse: torch.Tensor, levels: torch.Tensor,
+                  uniform: bool) -> torch.Tensor:
+    """The code of the grid value nearest to each of w (same shapes as offset and inverse, the reciprocal of
+    the scale, 0 where the scale is: every code then decodes to the offset, and code 0 is taken)."""
+    t = (w - offset).mul_(inverse)
+    if uniform:
+        return t.sub_(levels[0]).round_().clamp_(0, levels.numel() - 1)
+    return torch.bucketize(t, (levels[1:] + levels[:-1]) / 2).to(t.dtype)
+
+
+def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationType,
+                      importance: torch.Tensor | None = None, settings: GPTQSettings = GPTQSettings()) -> FeedbackResult:
+    """Quantize W (N, K) to `qtype` given H (K, K); `importance` (K,) weights the search (default: diag H,
+    the mean square of each input, which is what llama-imatrix collects)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"error feedback does not cover {qtype.name}")
+    W = W.float().clone()
+    H = H.float().clone()
+    N, K = W.shape
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if K % bs:
+        raise ValueError(f"{qtype.name}: row length {K} is not a multiple of the block size {bs}")
+    if not torch.isfinite(H).all():
+        raise QuantizationError("the calibration Hessian is not finite (NaN/inf activations)")
+    if not torch.isfinite(W).all():
+        raise QuantizationError("the weights contain NaN or inf")
+    if importance is None:
+        importance = torch.diag(H).clone()
+    importance = importance.float().cpu()
+    dead = torch.diag(H) == 0      # inputs that never fire: their columns take no error and give none
+    H[dead, dead] = 1
+    # The visiting order is free as long as every block is visited whole: the bytes stay in the file's order.
+    perm, _ = visiting_order(torch.diag(H), bs, settings)
+    W, H = W[:, perm], H[perm][:, perm]
+    U, damp = inverse_cholesky(H, settings)
+    del H
+    levels = torch.tensor(encoders.CODE_LAYOUTS[qtype].levels, dtype=torch.float32, device=W.device)
+    uniform = bool((levels[1:] - levels[:-1] == 1).all())
+    out = np.empty((N, K // bs * ts), dtype=np.uint8)
+    Q = torch.empty_like(W)        # in visiting order
+    d_list = torch.diag(U).tolist()
+    loss = 0.0
+    lazy = max(LAZY_COLUMNS // bs, 1) * bs
+    for i1 in range(0, K, lazy):
+        i2 = min(i1 + lazy, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.empty_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for b0 in range(0, i2 - i1, bs):
+            c0 = i1 + b0
+            cols = perm[c0:c0 + bs]                  # one block of the file, in visiting order
+            first = int(cols.min())
+            at = (cols - first).to(W.device)         # each visited column's place in its block
+            stored = torch.empty_like(at)
+            stored[at] = torch.arange(bs, device=W.device)
+            data = encoders.quantize(W1[:, b0:b0 + bs][:, stored], qtype, imatrix=importance[first:first + bs])
+            offset, scale = (t.to(W.device)[:, at].t().contiguous() for t in block_grid(data, qtype, (N, bs)))
+            inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+            codes = torch.empty(bs, N, device=W.device)
+            for j in range(bs):
+                i = b0 + j
+                w = W1[:, i]
+                c = nearest_codes(w, offset[j], inverse[j], levels, uniform)
+                q = torch.addcmul(offset[j], scale[j], c if uniform else levels[c.long()])
+                codes[j], Q[:, c0 + j] = c, q
+                err = q.neg_().add_(w).div_(d_list[c0 + j])          # (w − q) / U[i, i]
+                Err1[:, i] = err
+                W1[:, i + 1:].addr_(err, U1[i, i + 1:], alpha=-1)
+            out[:, first // bs * ts:(first // bs + 1) * ts] = encoders.with_codes(data, qtype, codes[stored].t())
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
+        loss += 0.5 * Err1.pow(2).sum().item()
+    Q = Q[:, torch.argsort(perm)]
+    return FeedbackResult(out, Q, damp, loss)

@@ -1,0 +1,127 @@
+"""`--error-feedback`: one GGUF file's decoder linears quantized in the shared capture pass (feedback.py), each
+from the Hessian of its inputs as the file's own already-quantized layers produce them (true sequential, as
+GPTQ); the rest of the file (embeddings, norms, the output head, stacked experts) is encoded by the writer as
+usual, weighted by the same inputs' mean squares.
+
+The pass reaches a layer long before the writer does, so each tensor's bytes wait in a scratch file beside the
+output (`.partial-FILE.feedback`), appended layer by layer: memory stays at one layer.  A crash resume keeps the
+file and its index up to the last finished layer; any other failure removes it, and so does the end of the run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ...calibration.jobs import PassJob
+from ...calibration.stats import HessianAccumulator
+from ...errors import OutputError
+from . import encoders, feedback
+from .tensors import gguf_tensors, permute_qk
+
+
+class FeedbackEncoder(PassJob):
+    def __init__(self, model, file_type: str, output: Path, types: dict[str, gguf.GGMLQuantizationType],
+                 device: torch.device):
+        self.model, self.types, self.device = model, types, device
+        self.label = f"gguf:{file_type} error feedback"
+        self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
+        self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
+        self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
+        self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
+        self.size = 0
+        self.chunks = 0       # calibration samples seen (llama-imatrix's "chunks", for the file's keys)
+        self.log: list[dict] = []
+        self._mode = "wb"     # a fresh run replaces what a killed one left; a resumed run appends to it
+
+    # --- the pass ---------------------------------------------------------------------------------
+    def observe(self, ctx, group, x: torch.Tensor) -> None:
+        acc = self.stats.get(group.linears)
+        if acc is None:
+            acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
+        acc.add(x)
+
+    def quantize_group(self, ctx, group) -> dict[str, torch.Tensor]:
+        acc = self.stats.pop(group.linears, None)
+        if acc is None:        # an expert no calibration token reached: the writer encodes it as usual
+            return {}
+        H = acc.value()
+        prefix = self.model.adapter.prefix(ctx.layer)
+        for lin in group.linears:
+            self.importance[f"{prefix}{lin}.weight"] = torch.diag(H).cpu()
+        # Linears that read the same input share H and the update treats rows independently, so those of one
+        # type are quantized stacked, in one run (as gptq/job.py does): same result, fewer and larger steps.
+        by_type: dict[gguf.GGMLQuantizationType, list] = {}
+        for stored in self.model.stored_linears[ctx.layer]:   # a joined linear (qkv_proj) is its parts' rows
+            t = self.by_source.get(f"{stored.name}.weight")
+            if t is not None and set(stored.parts) <= set(group.linears):
+                by_type.setdefault(self.types[t.name], []).append((stored, t))
+        new = {}
+        for qtype, members in by_type.items():
+            parts = [p for stored, _ in members for p in stored.parts]
+            W = torch.cat([ctx.source[f"{p}.weight"].to(self.device, torch.float32) for p in parts])
+            if qtype in feedback.SUPPORTED:
+                r = feedback.feedback_quantize(W, H, qtype)
+                data, Wq = r.data, r.weight
+                self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
+                                 "damp": r.damp, "loss": r.loss})
+            else:                 # F16/BF16/F32 (a --tensor-type choice): nothing is rounded that feedback could fix
+                data = encoders.quantize(W, qtype, imatrix=torch.diag(H))
+                Wq = encoders.dequantize(data, qtype, W.shape).to(W.device)
+            row = 0
+            for stored, t in members:
+                rows = slice(row, row + stored.out_features)
+                part = data[rows]
+                if t.permute_heads:   # rows are independent: the file's row order is applied to the finished rows
+                    part = permute_qk(torch.from_numpy(part), t.permute_heads).numpy()
+                self._put(t.name, part)
+                for p in stored.parts:
+                    n = ctx.source[f"{p}.weight"].shape[0]
+                    new[f"{p}.weight"] = Wq[row:row + n]
+                    row += n
+        return new
+
+    def finish_layer(self, ctx) -> None:
+        self.chunks = ctx.stream.shape[0]
+
+    def _put(self, name: str, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        try:
+            with open(self.spill, self._mode) as f:
+                data.tofile(f)
+            self._mode = "ab"
+        except OSError as e:
+            raise OutputError(f"{self.spill}: cannot write the error-feedback scratch file ({e.strerror or e})") from None
+        self.index[name] = (self.size, data.nbytes)
+        self.size += data.nbytes
+
+    # --- what the writer reads ------------------------------------------------------------------
+    def encoded(self, name: str) -> np.ndarray | None:
+        """The finished bytes of GGUF tensor `name`, or None when the writer encodes it."""
+        where = self.index.get(name)
+        if where is None:
+            return None
+        return np.fromfile(self.spill, dtype=np.uint8, count=where[1], offset=where[0])
+
+    def discard(self) -> None:
+        self.spill.unlink(missing_ok=True)
+
+    # --- crash resume ---------------------------------------------------------------------------------
+    def resume_state(self) -> dict:
+        return {"index": self.index, "size": self.size, "importance": self.importance, "log": self.log,
+                "chunks": self.chunks}
+
+    def restore(self, state: dict) -> None:
+        size = self.spill.stat().st_size if self.spill.exists() else -1
+        if size < state["size"]:
+            raise OutputError(f"{self.spill}: the previous run's error-feedback file is missing or short; "
+                              f"rerun with --no-resume")
+        with open(self.spill, "r+b") as f:
+            f.truncate(state["size"])
+        self.index, self.size, self.importance, self.log = (state["index"], state["size"], state["importance"],
+                                                            state["log"])
+        self.chunks = state["chunks"]
+        self._mode = "ab"

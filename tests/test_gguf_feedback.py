@@ -1,0 +1,180 @@
+"""GGUF with error feedback (--error-feedback): the algorithm (feedback.py) on random layers, and the files it
+makes (same types and size as the importance-matrix file, loaded by llama.cpp, nothing left behind, resumed)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+from conftest import run_cli
+from quantkit import api
+from quantkit.backends.gguf import encoders, llamacpp
+from quantkit.backends.gguf.feedback import SUPPORTED, block_grid, feedback_quantize
+from quantkit.backends.gguf.reader import GGUFModel
+from quantkit.eval.harness import load_windows, window_logits
+from quantkit.errors import QuantizationError
+from quantkit.model.checkpoint import Checkpoint
+
+TYPES = sorted(SUPPORTED, key=lambda q: q.name)
+
+
+def layer(K=512, N=64, tokens=2048, seed=0):
+    """A weight and the Hessian of correlated inputs whose columns differ in scale, as a real layer's do."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(K) + 0.5 * torch.randn(K, K, generator=g) / K ** 0.5
+    X = torch.randn(tokens, K, generator=g) @ mix * (torch.rand(K, generator=g) * 2 + 0.1)
+    return torch.randn(N, K, generator=g) * 0.05, X
+
+
+def output_error(X, W, Wq) -> float:
+    return float(((X @ (W - Wq).T) ** 2).mean())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[q.name for q in TYPES])
+def test_feedback_lowers_the_output_error_of_the_importance_matrix_quant(qtype):
+    W, X = layer()
+    H = X.T @ X / X.shape[0]
+    r = feedback_quantize(W, H, qtype)
+    assert r.data.shape == (W.shape[0], W.shape[1] // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1])
+    # the weights the next layer is calibrated on are exactly what llama.cpp's decoder makes of the bytes
+    assert torch.equal(encoders.dequantize(r.data, qtype, W.shape), r.weight)
+    plain = encoders.dequantize(encoders.quantize(W, qtype, imatrix=torch.diag(H)), qtype, W.shape)
+    assert output_error(X, W, r.weight) < 0.9 * output_error(X, W, plain)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q3_K, QT.Q6_K, QT.Q4_0, QT.IQ4_XS], ids=lambda q: q.name)
+def test_the_first_block_header_is_llama_cpps_choice_for_the_weights(qtype):
+    """No error reaches the first block visited (the one holding the most active input) before its search: its
+    header (scales, minimums) is the one llama.cpp's importance-weighted search picks for the original weights;
+    only the codes may move."""
+    W, X = layer()
+    H = X.T @ X / X.shape[0]
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    r = feedback_quantize(W, H, qtype)
+    b = int(torch.diag(H).argmax()) // bs
+    cols = slice(b * bs, (b + 1) * bs)
+    ref = encoders.quantize(W[:, cols], qtype, imatrix=torch.diag(H)[cols])
+    got = r.data[:, b * ts:(b + 1) * ts]
+    lay = encoders.CODE_LAYOUTS[qtype]
+    header = np.ones(ts, bool)
+    header[lay.start:lay.end] = False
+    assert np.array_equal(got[:, header], ref[:, header])
+    assert not np.array_equal(got, ref)      # the codes took the errors of the block's own columns
+
+
+def test_block_grid_decodes_every_code_as_the_reference_decoder():
+    W, _ = layer(K=256, N=8)
+    for qtype in TYPES:
+        data = encoders.quantize(W, qtype)
+        offset, scale = block_grid(data, qtype, W.shape)
+        levels = encoders.CODE_LAYOUTS[qtype].levels
+        for c in (0, 1, len(levels) // 2, len(levels) - 1):
+            want = encoders.dequantize(encoders.with_codes(data, qtype, torch.full(W.shape, c)), qtype, W.shape)
+            torch.testing.assert_close(offset + scale * levels[c], want, rtol=1e-6, atol=1e-7, msg=qtype.name)
+
+
+def test_refusals():
+    W, X = layer(K=256)
+    H = X.T @ X / X.shape[0]
+    with pytest.raises(ValueError, match="block size"):
+        feedback_quantize(W[:, :200], H[:200, :200], QT.Q4_K)
+    with pytest.raises(QuantizationError, match="NaN"):
+        feedback_quantize(W.index_fill(1, torch.tensor([3]), float("nan")), H, QT.Q4_K)
+
+
+# --- files ------------------------------------------------------------------------------------------------
+
+CALIB = ["--calib-samples", "8", "--calib-seqlen", "64"]
+
+
+def tensors(path):
+    return {t.name: (t.tensor_type, bytes(t.data)) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.fixture(scope="module")
+def files(tiny_gguf_source, calib_text, tmp_path_factory):
+    out = tmp_path_factory.mktemp("feedback")
+    made = {}
+    for name, flag in (("imatrix", "--imatrix"), ("feedback", "--error-feedback")):
+        r = run_cli("convert", str(tiny_gguf_source), "-o", str(out / name), "-f", "gguf:Q4_K_M", "-f", "gguf:Q2_K",
+                    flag, "--calib", str(calib_text), *CALIB, "--tokenizer-pre", "gpt-2")
+        assert r.returncode == 0, r.stderr
+        made[name] = {ft: out / name / f"llama256-{ft}.gguf" for ft in ("Q4_K_M", "Q2_K")}
+    return made, out
+
+
+def test_same_types_and_size_as_the_importance_matrix_file_and_nothing_left(files):
+    made, out = files
+    for ft in ("Q4_K_M", "Q2_K"):
+        imat, fb = tensors(made["imatrix"][ft]), tensors(made["feedback"][ft])
+        assert {n: t for n, (t, _) in imat.items()} == {n: t for n, (t, _) in fb.items()}
+        assert made["imatrix"][ft].stat().st_size == made["feedback"][ft].stat().st_size
+        linears = [n for n in fb if n.startswith("blk.") and "norm" not in n]
+        changed = [n for n in linears if fb[n][1] != imat[n][1]]
+        assert len(changed) == len(linears), ft             # every decoder linear took the feedback
+        assert all(fb[n][1] == imat[n][1] for n in fb if n not in linears)   # the rest is the usual encoding
+    assert sorted(p.name for p in (out / "feedback").iterdir()) == sorted(
+        [f"llama256-{ft}.gguf{x}" for ft in ("Q4_K_M", "Q2_K") for x in ("", ".quantkit.json")])
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python (quantkit[llamacpp]) not installed")
+def test_loads_in_llama_cpp_as_quantkit_reads_it(files, tiny_gguf_source, calib_text):
+    """llama.cpp runs the file as quantkit reads it (with llama.cpp's activation rounding), as closely as it runs
+    the importance-matrix file: a misplaced row or code would put the two far apart (random model: near-ties,
+    so the importance-matrix file is the yardstick)."""
+    made, _ = files
+    model = Checkpoint(tiny_gguf_source)
+    tokens = load_windows(model.tokenizer, calib_text, ctx=64, windows=2)
+    for ft in ("Q4_K_M", "Q2_K"):
+        gap = {}
+        for name in ("imatrix", "feedback"):
+            theirs = torch.stack(list(llamacpp.window_logits(made[name][ft], tokens, threads=2)))
+            ours = torch.stack(list(window_logits(GGUFModel(made[name][ft], base=model, activations="llama.cpp"),
+                                                  tokens)))
+            gap[name] = float((theirs - ours).abs().max() / theirs.abs().max())
+        assert gap["feedback"] < max(2 * gap["imatrix"], 0.02), (ft, gap)
+
+
+def test_a_failure_in_the_pass_leaves_nothing(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
+    from quantkit.backends.gguf import feedback_job
+    calls = {"n": 0}
+    real = feedback_job.feedback.feedback_quantize
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise QuantizationError("stop here")
+        return real(*a, **k)
+    monkeypatch.setattr(feedback_job.feedback, "feedback_quantize", failing)
+    with pytest.raises(QuantizationError):
+        api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "out",
+                    options={"error_feedback": True, "calib": str(calib_text), "calib_samples": 8, "calib_seqlen": 64,
+                             "resume": False, "tokenizer_pre": "gpt-2"})
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_an_interrupted_run_resumes_to_the_same_bytes(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
+    from quantkit.backends.gguf.feedback_job import FeedbackEncoder
+    options = {"error_feedback": True, "calib": str(calib_text), "calib_samples": 8, "calib_seqlen": 64,
+               "tokenizer_pre": "gpt-2"}
+    [whole] = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "whole", options=dict(options))
+    real = FeedbackEncoder.quantize_group
+
+    def interrupted(self, ctx, group):
+        if ctx.layer == 1:
+            raise KeyboardInterrupt
+        return real(self, ctx, group)
+    monkeypatch.setattr(FeedbackEncoder, "quantize_group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "out", options=dict(options))
+    assert list((tmp_path / "out").glob(".partial-*.feedback"))     # kept for the rerun
+    monkeypatch.setattr(FeedbackEncoder, "quantize_group", real)
+    [again] = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "out", options=dict(options))
+    assert tensors(again) == tensors(whole)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [again.name]
+
+
+def test_needs_calibration_data(tiny_gguf_source, tmp_path):
+    r = run_cli("convert", str(tiny_gguf_source), "-o", str(tmp_path), "-f", "gguf:Q4_K_M", "--error-feedback")
+    assert r.returncode != 0 and "--calib" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
