@@ -66,8 +66,10 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
     rows = []
     out = WORK / name / "gptq"
     wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", "gptq:4bit-g128", "--no-resume", *calib])
+    protocol = {"date": dt.date.today().isoformat(), "calibration": f"{a.samples} × {a.seqlen}",
+                "windows": a.windows}
     rows.append({"model": name, "type": "gptq:4bit-g128", "method": "GPTQ (time reference)", "wall_s": round(wall, 1),
-                 "peak_rss_gib": round(rss / 2**30, 3)})
+                 "peak_rss_gib": round(rss / 2**30, 3), **protocol})
     print(rows[-1], flush=True)
     for ftype in types:
         for method, flags in METHODS.items():
@@ -78,7 +80,7 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
             path = next(out.glob(f"*-{ftype}.gguf"))
             row = {"model": name, "type": ftype, "method": method, "wall_s": round(wall, 1),
                    "peak_rss_gib": round(rss / 2**30, 3), "bytes": path.stat().st_size,
-                   **evaluate(path, spec, a.windows)}
+                   **evaluate(path, spec, a.windows), **protocol}
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -87,15 +89,16 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
 def write(rows: list[dict], a) -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-            f"{platform.platform()}", "calibration": f"wikitext2-valid, {a.samples} × {a.seqlen} tokens, seed 0",
-            "evaluation": f"wikitext2-test, {a.windows} × 512 tokens, in llama.cpp (llama-cpp-python)"}
+            f"{platform.platform()}", "calibration": "wikitext2-valid, seed 0 (windows × tokens per row)",
+            "evaluation": "wikitext2-test, windows of 512 tokens (count per row), in llama.cpp (llama-cpp-python)"}
     (RESULTS / "gguf_feedback.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["# GGUF with error feedback against llama.cpp's plain and importance-matrix quants", "",
              f"{meta['date']} · {meta['machine']}", "",
              f"Calibration {meta['calibration']} (the same tokens for the importance matrix and the error feedback); "
              f"evaluation {meta['evaluation']} against the original model.", "",
-             "| model | file type | method | file bytes | perplexity | mean KLD | top-1 | KLD vs imatrix | wall s | peak RSS GiB |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | file type | method | file bytes | perplexity | mean KLD | top-1 | KLD vs imatrix | wall s | "
+             "peak RSS GiB | calibration | eval windows | date |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for r in rows:
         if "bytes" not in r:
             continue
@@ -103,7 +106,8 @@ def write(rows: list[dict], a) -> None:
                     and x["method"] == "imatrix"), None)
         vs = f"{r['mean_kld'] / ref['mean_kld'] - 1:+.1%}" if ref and r["method"] != "imatrix" else ""
         lines.append(f"| {r['model']} | {r['type']} | {r['method']} | {r['bytes']:,} | {r['perplexity']:.3f} | "
-                     f"{r['mean_kld']:.4f} | {r['top1']:.4f} | {vs} | {r['wall_s']} | {r['peak_rss_gib']} |")
+                     f"{r['mean_kld']:.4f} | {r['top1']:.4f} | {vs} | {r['wall_s']} | {r['peak_rss_gib']} | "
+                     f"{r.get('calibration', '')} | {r.get('windows', '')} | {r.get('date', '')} |")
     lines += ["", "| model | GPTQ 4bit-g128 wall s | error feedback wall s (per file type) | ratio (goal ≤ 1.5) |",
               "| --- | ---: | --- | --- |"]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -112,7 +116,8 @@ def write(rows: list[dict], a) -> None:
         if g and fb:
             lines.append(f"| {model} | {g['wall_s']} | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
                          + " | " + ", ".join(f"{r['wall_s'] / g['wall_s']:.2f}" for r in fb) + " |")
-    lines += ["", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen`."]
+    lines += ["", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen` (`--render` rewrites this page from the "
+              "JSON)."]
     (RESULTS / "gguf_feedback.md").write_text("\n".join(lines) + "\n")
 
 
@@ -123,7 +128,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--render", action="store_true", help="only rewrite the Markdown from the committed JSON")
     a = ap.parse_args()
+    if a.render:
+        write(json.loads((RESULTS / "gguf_feedback.json").read_text())["rows"], a)
+        return
     WORK.mkdir(parents=True, exist_ok=True)
     models = a.models.split(",")
     old = RESULTS / "gguf_feedback.json"

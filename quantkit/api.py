@@ -212,7 +212,13 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
                                           options, progress, [Path(p.output) for p in plans], Path(out))
         for name, (backend, items) in groups.items():
             if not backend.calibrated:
-                written += backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
+                files = backend.write_all(model, items, Path(out), settings[name], progress, collected[name])
+                fields = backend.record_fields(settings[name], collected[name])
+                if fields:
+                    from .publish.record import update_record
+                    for path in files:
+                        update_record(path, fields)
+                written += files
     # in the order the formats were asked for (the writing order groups them by format and calibration)
     asked = [Path(p.output) for p in plans]
     assert sorted(map(str, written)) == sorted(map(str, asked)), (written, asked)
@@ -264,6 +270,8 @@ def _convert_calibrated(model, items, settings: dict, collectors: list, options:
     if calibrated_names:
         spec = calibration_spec(options, calibrated_names)
         calibration = load_calibration(spec, model, device=device, progress=progress)
+        for collector in collectors:
+            collector.calibration = calibration
     checkpoint, point, saved = _run_checkpoint(model, items, collectors, options, calibration, outputs, out, device)
     with ExitStack() as stack:
         jobs = []

@@ -117,6 +117,18 @@ def test_same_types_and_size_as_the_importance_matrix_file_and_nothing_left(file
         [f"llama256-{ft}.gguf{x}" for ft in ("Q4_K_M", "Q2_K") for x in ("", ".quantkit.json")])
 
 
+def test_the_record_and_the_card_name_the_method(files):
+    from quantkit.publish.card import row_for
+    from quantkit.publish.record import read_record
+    made, _ = files
+    for name, method in (("imatrix", "importance matrix"), ("feedback", "error feedback")):
+        path = made[name]["Q4_K_M"]
+        record = read_record(path)
+        assert record["quantization"]["method"] == method
+        assert record["calibration"]["samples"] == 8 and record["calibration"]["seqlen"] == 64
+        assert row_for(path, path.name).variant == f"Q4_K_M ({method})"
+
+
 @pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python (quantkit[llamacpp]) not installed")
 def test_loads_in_llama_cpp_as_quantkit_reads_it(files, tiny_gguf_source, calib_text):
     """llama.cpp runs the file as quantkit reads it (with llama.cpp's activation rounding), as closely as it runs

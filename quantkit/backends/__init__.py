@@ -98,6 +98,11 @@ class Backend:
         `collected`: this format's `pass_jobs`, after the pass.  Must never leave a partial artifact behind."""
         raise NotImplementedError
 
+    def record_fields(self, settings, collected: list) -> dict:
+        """Entries the api adds to each written file's record after `write_all` (for formats whose bytes cannot
+        carry them, GGUF); {} for none."""
+        return {}
+
     def needs_calibration(self, variant, settings) -> bool:
         return False
 

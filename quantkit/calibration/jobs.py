@@ -63,6 +63,7 @@ class PassJob:
     label = "job"
     passes = 1
     first_pass = 0
+    calibration = None    # the run's CalibrationSet, given to every pass job before the pass
 
     def resume_state(self) -> dict:
         """What the job carries from one layer to the next, for a crash resume (quantkit.calibration.resume);

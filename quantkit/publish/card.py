@@ -53,6 +53,9 @@ def row_for(artifact: Path, path_in_repo: str, parameters: int | None = None) ->
         # llama.cpp's file-type names without the enum's prefix: MOSTLY_Q4_K_M -> Q4_K_M, ALL_F32 -> F32
         file_type = re.sub(r"^(MOSTLY|ALL)_", "", str(info.get("file_type") or ""))
         size, variant = info.get("file_size") or artifact.stat().st_size, file_type or record.get("variant") or "?"
+        method = (record.get("quantization") or {}).get("method")
+        if method:          # same type and size as the plain file: what differs is how the rounding was chosen
+            variant = f"{variant} ({method})"
         bpw = info.get("bits_per_weight")
     else:
         size = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))

@@ -49,6 +49,14 @@ def write_metrics(artifact: Path, result, data: Path, runtime: str, activations:
     return _write(artifact, record)
 
 
+def update_record(artifact: Path, fields: dict) -> Path:
+    """Top-level entries a format adds to a file's record after writing it (GGUF: how its rounding was weighted,
+    `quantization.method`, and the calibration tokens); a folder artifact's writer fills its own quantkit.json."""
+    record = read_record(Path(artifact))
+    record.update(fields)
+    return _write(Path(artifact), record)
+
+
 def write_origin(artifact: Path, command: str, source: dict) -> Path:
     """Put the command that made `artifact` (and, for a GGUF file, whose record starts here, the quantkit
     version, the source and the file's sha256, which `verify` checks) into its record, atomically."""

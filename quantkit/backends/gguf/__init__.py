@@ -12,13 +12,13 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
-from ...calibration.stats import SquareMeanAccumulator
+from ...calibration.stats import HessianAccumulator, SquareMeanAccumulator
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, pass_ram, pass_seconds, read_seconds, statistics_seconds,
-                           stream_bytes)
+from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, pass_ram, pass_seconds, read_seconds,
+                           statistics_seconds, stream_bytes)
 from ...progress import Progress, null_progress
 from . import encoders, fusion, imatrix_file, mixtures
 from .reader import GGUFModel, describe
@@ -141,7 +141,7 @@ class GGUFBackend(Backend):
         fused_n = sum(int(np.prod(r.shape)) for r in rows
                       if gguf.GGMLQuantizationType[r.kind] in encoders.FUSED_TYPES)
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
-        seconds = collect = 0.0
+        seconds = collect = feedback_pass = feedback_own = 0.0
         if settings.run.estimate_time:      # a dry run: timing the encoders costs a second or two
             seconds, missing = _estimate_seconds(rows, device, settings.imatrix)
             seconds += read_seconds(model)
@@ -150,11 +150,17 @@ class GGUFBackend(Backend):
                 seconds += missing * fusion.BUILD_SECONDS
                 text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built on the way (~"
                         f"{fusion.BUILD_SECONDS:.0f} s each, once per machine)")
+            run = settings.run
             if settings.imatrix:
-                run = settings.run
                 collect = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
                            + statistics_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator))
                 text += f" + {collect:.0f} s for the importance matrix's pass"
+            if settings.feedback:
+                feedback_pass = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
+                                 + statistics_seconds(model, run.calib_samples, run.calib_seqlen, device,
+                                                      HessianAccumulator))
+                feedback_own = _feedback_seconds(model, rows, device)
+                text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text
         plan.resources = Resources(own_ram=largest * ENCODE_BYTES_PER_WEIGHT, own_seconds=seconds,
                                    on_device=device.type == "cuda",
@@ -164,6 +170,18 @@ class GGUFBackend(Backend):
             r.calibrated, r.shared_ram, r.forward_seconds = True, pass_ram(model, settings.run.calib_seqlen), collect
             r.stream = r.own_ram = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
+        if settings.feedback:   # its own stream and pass; a layer's linears (float32, three copies) and one Hessian
+            r = plan.resources
+            widest = max(lin.in_features for lin in model.stored_linears[0])
+            tallest = max(lin.in_features * lin.out_features for lin in model.stored_linears[0])
+            r.calibrated, r.shared_ram = True, pass_ram(model, settings.run.calib_seqlen)
+            r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r.own_ram = r.stream + 4 * widest ** 2 * 3 + 12 * tallest
+            r.forward_seconds += feedback_pass
+            r.own_seconds += feedback_own
+            r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
+            # the decoder linears' bytes wait beside the output until the file is written
+            r.scratch_disk += sum(row.bytes for row in rows if row.tensor.startswith("blk."))
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
@@ -206,6 +224,23 @@ class GGUFBackend(Backend):
         if settings.imatrix_out and collected:
             imatrix_file.save(matrix, settings.imatrix_out, settings.imatrix_format)
         return written
+
+    def record_fields(self, settings: GGUFSettings, collected: list) -> dict:
+        """What the files' records hold beyond their bytes: how the rounding was weighted and from which
+        calibration tokens (the card shows the method beside the type)."""
+        if settings.feedback:
+            method, importance = "error feedback", "the calibration pass's mean squares (diag of each Hessian)"
+        elif settings.imatrix or settings.imatrix_loaded is not None:
+            method = "importance matrix"
+            importance = (settings.imatrix_loaded.describe() if settings.imatrix_loaded is not None
+                          else "collected in the calibration pass")
+        else:
+            return {}
+        fields = {"quantization": {"method": method, "importance": importance}}
+        calibration = next((c.calibration for c in collected if c.calibration is not None), None)
+        if calibration is not None:
+            fields["calibration"] = calibration.to_json()
+        return fields
 
     def can_read(self, path: Path) -> bool:
         if not Path(path).is_file():
@@ -262,6 +297,29 @@ def _split_override(text: str) -> tuple[str, str]:
 # a tensor being encoded: its float32 copy, the source it was read from, the encoders' working rows and the
 # encoded bytes (demo: 5.6 bytes per weight of token_embd above the process's size; bench/results/preflight.md)
 ENCODE_BYTES_PER_WEIGHT = 6
+
+
+def _feedback_seconds(model, rows, device: torch.device) -> float:
+    """The error feedback's own work (column loop and searches) for every layer, timed here on layer 0's linears:
+    per input width and type, feedback.py on the tallest linear of that width (as gptq's probe)."""
+    from .feedback import SUPPORTED, feedback_quantize
+    kinds = {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in rows}
+    by_source = {t.source: t.name for t in gguf_tensors(model) if t.source}
+    groups: dict[tuple, list] = {}
+    for lin in model.stored_linears[0]:
+        qtype = kinds.get(by_source.get(f"{lin.name}.weight", ""))
+        if qtype in SUPPORTED:
+            groups.setdefault((lin.in_features, qtype), []).append(lin)
+    gen = torch.Generator().manual_seed(0)
+    total = 0.0
+    for (k, qtype), same in groups.items():
+        n = max(lin.out_features for lin in same)
+        x = torch.randn(2 * k, k, generator=gen)
+        h = (x.T @ x / x.shape[0]).to(device)
+        w = torch.randn(n, k, generator=gen).to(device)
+        cost = column_loop_cost(lambda r, w=w, h=h, q=qtype: feedback_quantize(w[:r], h, q), n, k)
+        total += sum(cost(lin.out_features, k) for lin in same)
+    return total * model.num_layers
 
 
 def _metadata_bytes(model, tensors: int) -> int:
