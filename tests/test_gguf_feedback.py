@@ -183,10 +183,24 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(tiny_gguf_source, calib_te
     monkeypatch.setattr(FeedbackEncoder, "quantize_group", real)
     [again] = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "out", options=dict(options))
     assert tensors(again) == tensors(whole)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [again.name]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [again.name, again.name + ".quantkit.json"]
 
 
 def test_needs_calibration_data(tiny_gguf_source, tmp_path):
     r = run_cli("convert", str(tiny_gguf_source), "-o", str(tmp_path), "-f", "gguf:Q4_K_M", "--error-feedback")
     assert r.returncode != 0 and "--calib" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_the_dry_run_counts_the_pass_and_the_scratch_file(tiny_gguf_source, calib_text, tmp_path):
+    options = {"calib": str(calib_text), "calib_samples": 8, "calib_seqlen": 64, "tokenizer_pre": "gpt-2"}
+    [plain] = api.plan(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path, options=dict(options))
+    [fb] = api.plan(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path, options={**options, "error_feedback": True})
+    assert not plain.resources.calibrated and fb.resources.calibrated
+    assert [r.kind for r in fb.rows] == [r.kind for r in api.plan(
+        str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path, options={**options, "imatrix": True})[0].rows]
+    linears = sum(r.bytes for r in fb.rows if r.tensor.startswith("blk.") and r.tensor.endswith(".weight")
+                  and "norm" not in r.tensor)
+    assert fb.resources.scratch_disk == linears > 0
+    assert fb.resources.own_seconds > plain.resources.own_seconds
+    assert "error feedback's pass" in fb.extra["time (estimate)"]

@@ -181,7 +181,9 @@ class GGUFBackend(Backend):
             r.own_seconds += feedback_own
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
             # the decoder linears' bytes wait beside the output until the file is written
-            r.scratch_disk += sum(row.bytes for row in rows if row.tensor.startswith("blk."))
+            stored = {f"{lin.name}.weight" for layer in model.stored_linears for lin in layer}
+            spilled = {t.name for t in tensors if t.source in stored}
+            r.scratch_disk += sum(row.bytes for row in rows if row.tensor in spilled)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
