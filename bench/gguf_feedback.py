@@ -143,7 +143,9 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     models = a.models.split(",")
     old = RESULTS / "gguf_feedback.json"
-    kept = [r for r in json.loads(old.read_text())["rows"] if r["model"] not in models] if old.exists() else []
+    types = a.types.split(",")
+    rerun = lambda r: r["model"] in models and (r["type"] in types or r["type"].startswith("gptq"))
+    kept = [r for r in json.loads(old.read_text())["rows"] if not rerun(r)] if old.exists() else []
     rows = kept
     for m in models:
         rows = rows + bench_model(m, a.types.split(","), a)
