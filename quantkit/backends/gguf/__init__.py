@@ -74,8 +74,7 @@ class GGUFBackend(Backend):
             jobs.append(ImatrixCollector(model, device))
         if settings.feedback:
             from .feedback_job import FeedbackEncoder
-            jobs += [FeedbackEncoder(model, spec.name, Path(plan.output),
-                                     {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, device)
+            jobs += [FeedbackEncoder(model, spec.name, Path(plan.output), _planned_types(plan), device)
                      for spec, plan in items]
         return jobs
 
@@ -207,7 +206,7 @@ class GGUFBackend(Backend):
                                                          settings.run.calib_seqlen, settings.imatrix_out)
             imatrix = imatrix_file.importance_for(model, matrix) if matrix is not None else None
             jobs = [FileJob(Path(out_dir) / output_name(model, spec.name), int(spec.file_type),
-                            {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in plan.rows}, settings.split_max_bytes)
+                            _planned_types(plan), settings.split_max_bytes)
                     for spec, plan in items]
             info = matrix.provenance() if matrix is not None else None
             for job, encoder in zip(jobs, feedback):   # one encoder per file, in the order of items
@@ -301,11 +300,17 @@ def _split_override(text: str) -> tuple[str, str]:
 ENCODE_BYTES_PER_WEIGHT = 6
 
 
+def _planned_types(plan_or_rows) -> dict[str, gguf.GGMLQuantizationType]:
+    """GGUF tensor name -> the type the plan gives it."""
+    rows = plan_or_rows.rows if isinstance(plan_or_rows, Plan) else plan_or_rows
+    return {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in rows}
+
+
 def _feedback_seconds(model, rows, device: torch.device) -> float:
     """The error feedback's own work (column loop and searches) for every layer, timed here on layer 0's linears:
     per input width and type, feedback.py on the tallest linear of that width (as gptq's probe)."""
     from .feedback import SUPPORTED, feedback_quantize
-    kinds = {r.tensor: gguf.GGMLQuantizationType[r.kind] for r in rows}
+    kinds = _planned_types(rows)
     by_source = {t.source: t.name for t in gguf_tensors(model) if t.source}
     groups: dict[tuple, list] = {}
     for lin in model.stored_linears[0]:
