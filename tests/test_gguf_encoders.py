@@ -22,6 +22,7 @@ for _p in (_ROOT, _HERE):
         sys.path.insert(0, _p)
 
 from quantkit.backends.gguf.encoders import SUPPORTED, dequantize, quantize  # noqa: E402
+from quantkit.backends.gguf.grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX  # noqa: E402
 
 try:  # tests/ may or may not be a package
     from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
@@ -30,8 +31,10 @@ except ImportError:  # pragma: no cover
 
 TYPES = sorted(SUPPORTED, key=int)
 QUANT_TYPES = [t for t in TYPES if t not in (QT.F32, QT.F16, QT.BF16)]
+# types llama.cpp quantizes without an importance matrix (ggml-quants.c asserts on a missing one for the rest)
+PLAIN_TYPES = [t for t in TYPES if t not in NEEDS_IMATRIX]
 # types whose llama.cpp quantizer takes an importance matrix into account
-IMATRIX_TYPES = [t for t in QUANT_TYPES if t != QT.Q8_0]
+IMATRIX_TYPES = [t for t in QUANT_TYPES if t not in (QT.Q8_0, QT.TQ1_0, QT.TQ2_0)]
 
 needs_ref = pytest.mark.skipif(not ref.available(), reason=ref.unavailable_reason())
 
@@ -106,7 +109,7 @@ def _block_mismatch(a: np.ndarray, b: np.ndarray, qtype) -> str:
 # ----------------------------------------------------------------------------
 
 @needs_ref
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PLAIN_TYPES, ids=lambda t: t.name)
 def test_bytes_match_llama_cpp(qtype):
     failures = []
     for name, x in CASES:
@@ -134,11 +137,32 @@ def test_bytes_match_llama_cpp_imatrix(qtype):
 
 
 @needs_ref
-def test_q8_0_ignores_imatrix():
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.TQ1_0, QT.TQ2_0], ids=lambda t: t.name)
+def test_types_that_ignore_the_imatrix(qtype):
     x = CASES[0][1]
     im = np.random.default_rng(3).random(x.shape[1]).astype(np.float32)
-    got = quantize(torch.from_numpy(x), QT.Q8_0, imatrix=torch.from_numpy(im))
-    np.testing.assert_array_equal(got, ref.quantize_ref(x, QT.Q8_0))
+    got = quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(im))
+    np.testing.assert_array_equal(got, ref.quantize_ref(x, qtype))
+
+
+@needs_ref
+@pytest.mark.parametrize("qtype", sorted(GRID_ENCODERS, key=int), ids=lambda t: t.name)
+def test_lattice_types_on_a_model_sized_tensor(qtype):
+    """Rows of 2048 (8 super-blocks), enough rows that every neighbour-list length and tie occurs."""
+    g = np.random.default_rng(21)
+    x = (g.standard_normal((48, 2048)) * 0.02).astype(np.float32)
+    x[3, 512:768] = 0.0                                         # one all-zero super-block
+    x[5, :32] = 0.0                                             # and a zero sub-block before non-zero ones
+    im = (g.random(2048) ** 2 * 4).astype(np.float32)
+    got = quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(im))
+    want = ref.quantize_ref(x, qtype, imatrix=im)
+    assert np.array_equal(got, want), _block_mismatch(got, want, qtype)
+
+
+def test_lattice_types_refuse_without_an_importance_matrix():
+    for qtype in NEEDS_IMATRIX:
+        with pytest.raises(ValueError, match="importance matrix"):
+            quantize(torch.zeros(2, 256), qtype)
 
 
 @needs_ref
@@ -166,7 +190,7 @@ def test_bf16_f16_special_values():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_cuda_matches_cpu(qtype):
-    for name, x in CASES:
+    for name, x in CASES if qtype not in NEEDS_IMATRIX else ():
         xt = torch.from_numpy(x)
         cpu = quantize(xt, qtype)
         gpu = quantize(xt.cuda(), qtype)
@@ -188,7 +212,10 @@ _RTOL = {
     QT.F32: 0.0, QT.F16: 1e-3, QT.BF16: 5e-3, QT.Q8_0: 0.01,
     QT.Q6_K: 0.03, QT.Q5_K: 0.06, QT.Q5_0: 0.07, QT.Q5_1: 0.06,
     QT.Q4_K: 0.11, QT.Q4_0: 0.13, QT.Q4_1: 0.12, QT.IQ4_NL: 0.11, QT.IQ4_XS: 0.11,
-    QT.Q3_K: 0.22, QT.Q2_K: 0.42,
+    QT.Q3_K: 0.22, QT.Q2_K: 0.42, QT.IQ3_S: 0.15, QT.IQ3_XXS: 0.19, QT.IQ2_S: 0.27, QT.IQ2_XS: 0.32,
+    QT.IQ2_XXS: 0.36,
+    # ternary types are made for ternary-trained weights; on gaussian data they keep only the signs of the largest
+    QT.TQ1_0: 0.82, QT.TQ2_0: 0.82,
 }
 
 
@@ -196,7 +223,8 @@ _RTOL = {
 def test_roundtrip_error(qtype):
     g = np.random.default_rng(123)
     x = (g.standard_normal((8, 1024)) * 0.02).astype(np.float32)
-    data = quantize(torch.from_numpy(x), qtype)
+    im = torch.ones(1024) if qtype in NEEDS_IMATRIX else None
+    data = quantize(torch.from_numpy(x), qtype, im)
     bs, ts = GGML_QUANT_SIZES[qtype]
     assert data.dtype == np.uint8
     assert data.shape == (8, 1024 // bs * ts)
@@ -206,7 +234,7 @@ def test_roundtrip_error(qtype):
     rel = np.sqrt(np.mean((y - x) ** 2)) / np.sqrt(np.mean(x ** 2))
     assert rel <= _RTOL[qtype], f"{qtype.name}: relative rms error {rel:.4f} > {_RTOL[qtype]}"
     # an all-zero tensor must come back exactly zero
-    z = dequantize(quantize(torch.zeros(2, 256), qtype), qtype, (2, 256))
+    z = dequantize(quantize(torch.zeros(2, 256), qtype, None if im is None else im[:256]), qtype, (2, 256))
     assert torch.count_nonzero(z) == 0
 
 
@@ -222,10 +250,11 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError):
         quantize(torch.zeros(256), QT.Q8_0)                    # not 2-D
     with pytest.raises(ValueError):
-        quantize(torch.zeros(2, 256), QT.IQ2_XXS)              # unsupported type
+        quantize(torch.zeros(2, 256), QT.MXFP4)                # unsupported type
 
 
 def test_supported_set():
     assert SUPPORTED == frozenset({
         QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-        QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS})
+        QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0,
+        QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S})

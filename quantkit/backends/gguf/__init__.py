@@ -91,17 +91,22 @@ class GGUFBackend(Backend):
         tensors = gguf_tensors(model)
         cfg = model.config
         overrides = list(settings.overrides)
+        weighted = settings.imatrix or settings.imatrix_loaded is not None or settings.feedback
         try:
             choices = mixtures.plan_types([(t.name, t.ne) for t in tensors], variant.name,
                                           n_layer=cfg.num_layers, n_head=cfg.num_heads, n_head_kv=cfg.num_kv_heads,
                                           n_expert=expert_count(model),
                                           tied_embeddings=all(t.name != "output.weight" for t in tensors),
                                           overrides=overrides, pure=settings.pure,
-                                          has_imatrix=(settings.imatrix or settings.imatrix_loaded is not None
-                                                       or settings.feedback))
+                                          has_imatrix=weighted)
         except ValueError as e:
             raise UsageError(str(e)) from None
         _refuse_impossible_overrides(tensors, overrides)
+        needs = [c for c in choices if mixtures.requires_imatrix(c.name, c.qtype, variant.name)]
+        if needs and not weighted:
+            raise UsageError(f"gguf:{variant.name} writes {needs[0].name} as {needs[0].qtype.name}, which llama.cpp "
+                             f"only writes with an importance matrix: add --imatrix (collected in the calibration "
+                             f"pass) or --imatrix-file FILE")
         if settings.imatrix_loaded is not None:   # a matrix that does not fit the model is refused before writing
             imatrix_file.importance_for(model, settings.imatrix_loaded,
                                         {t.name: c.qtype for t, c in zip(tensors, choices)}, variant.name)

@@ -50,7 +50,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
+from .exact import (_div, _recip, _nearest_int, _ni, _round_ni, _any_big, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
+    _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND)
 from .fusion import fused, padded_columns
+from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
+from .qp_search import make_qp_quants as _make_qp_quants
 
 __all__ = ["quantize", "dequantize", "with_codes", "SUPPORTED", "FUSED_TYPES", "CODE_LAYOUTS"]
 
@@ -58,8 +62,8 @@ QT = GGMLQuantizationType
 
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
-})
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0,
+}) | frozenset(GRID_ENCODERS)
 
 # types whose encoders run fused kernels on the CPU (see fusion.py)
 FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
@@ -68,215 +72,6 @@ FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q
 _F32 = torch.float32
 _GROUP_MAX_EPS = float(np.float32(1e-15))
 _KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-# ----------------------------------------------------------------------------
-# small exact-arithmetic helpers
-# ----------------------------------------------------------------------------
-
-def _c(v: float, ref: torch.Tensor) -> torch.Tensor:
-    """0-dim float32 constant on ref's device (value rounded like a C float literal)."""
-    return torch.tensor(float(np.float32(v)), dtype=_F32, device=ref.device)
-
-
-def _div(a, b) -> torch.Tensor:
-    """IEEE float32 a / b with tensors on both sides (see module docstring)."""
-    if not isinstance(a, torch.Tensor):
-        a = _c(a, b)
-    if not isinstance(b, torch.Tensor):
-        b = _c(b, a)
-    return torch.div(a, b)
-
-
-def _recip(a: torch.Tensor) -> torch.Tensor:
-    return torch.reciprocal(a)
-
-
-def _nearest_int(f: torch.Tensor) -> torch.Tensor:
-    """ggml nearest_int: add 1.5*2^23 in float32 and take the mantissa bits (int32)."""
-    # NaN here only comes from invalid operations (inf*0, 0/0) in lanes the C
-    # code also evaluates; x86 produces the "default NaN" 0xFFC00000 there, for
-    # which the trick yields 0.  GPUs use another canonical NaN, so map NaN to
-    # 0 explicitly (infinities are kept: the trick maps them to -0x400000).
-    f = torch.nan_to_num(f, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-    return ((f + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
-
-
-def _ni(f: torch.Tensor) -> torch.Tensor:
-    """nearest_int as float32 values (small integers are exact)."""
-    return _nearest_int(f).to(_F32)
-
-
-_SAFE_ROUND = float(2 ** 21)
-
-
-def _round_ni(f: torch.Tensor, exact: bool) -> torch.Tensor:
-    """nearest_int as float32: the bit-exact emulation when some |f| may reach
-    2**22 (where the C magic-number trick stops being a rounding), else the
-    cheaper torch.round (identical below that)."""
-    return _ni(f) if exact else torch.round(f)
-
-
-def _any_big(bound: torch.Tensor) -> bool:
-    """True if some lane may hold |f| >= 2**21 (conservative; NaN counts as big)."""
-    return bool((~(bound < _SAFE_ROUND)).any())
-
-
-def _clampf(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    return t.clamp(lo, hi)
-
-
-def _sqrt(v: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 sqrt (sqrtf).  torch's CPU float32 sqrt is not
-    always correctly rounded, so take a float64 sqrt, round to float32 and fix
-    the last bit with an exact float64 midpoint test (products of <= 25-bit
-    significands are exact in float64)."""
-    r = torch.sqrt(v.to(torch.float64)).to(_F32)
-    rd = r.to(torch.float64)
-    up = torch.nextafter(r, torch.full_like(r, float("inf")))
-    dn = torch.nextafter(r, torch.zeros_like(r))
-    hi = (rd + up.to(torch.float64)) * 0.5
-    lo = (rd + dn.to(torch.float64)) * 0.5
-    vd = v.to(torch.float64)
-    r = torch.where(vd > hi * hi, up, r)
-    r = torch.where(vd < lo * lo, dn, r)
-    return r
-
-
-def _f16r(t: torch.Tensor) -> torch.Tensor:
-    """GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(t))."""
-    return t.to(torch.float16).to(_F32)
-
-
-def _seqsum_loop(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
-    """Sequential float32 sum over dim 0: ((0 + t0) + t1) + ... like a C loop."""
-    acc = t[0] + 0.0 if from_zero else t[0].clone()
-    for j in range(1, t.shape[0]):
-        acc.add_(t[j])
-    return acc
-
-
-def _seqsum_index_add(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
-    """The same sum as one call: on the CPU, index_add_ with every index 0 adds
-    the source rows into the output row one after another, each row a single
-    float32 add (one op instead of n, which matters for small chunks)."""
-    t = t.contiguous()
-    if from_zero:
-        acc = torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    else:
-        acc, t = t[:1].clone(), t[1:]
-    acc.index_add_(0, _zero_index(t.shape[0], t.device), t)
-    return acc[0]
-
-
-_ZERO_INDEX: dict = {}
-
-
-def _zero_index(n: int, device) -> torch.Tensor:
-    key = (n, str(device))
-    idx = _ZERO_INDEX.get(key)
-    if idx is None:
-        idx = _ZERO_INDEX[key] = torch.zeros(n, dtype=torch.int64, device=device)
-    return idx
-
-
-_INDEX_ADD_SEQUENTIAL: bool | None = None
-
-
-def _index_add_is_sequential() -> bool:
-    """index_add_'s accumulation order is an implementation detail of ATen's CPU
-    kernel, so check it once per process on values where any other order or an
-    extended-precision accumulator changes the result; fall back to the loop
-    when it does not hold."""
-    global _INDEX_ADD_SEQUENTIAL
-    if _INDEX_ADD_SEQUENTIAL is None:
-        g = torch.Generator().manual_seed(12345)
-        ok = True
-        for shape in ((32, 3, 1037), (16, 4099), (7, 33), (32, 1)):
-            mag = torch.pow(10.0, torch.randint(-8, 9, shape, generator=g).to(_F32))
-            t = torch.randn(shape, generator=g) * mag
-            for fz in (True, False):
-                a = _seqsum_loop(t, fz).view(torch.int32)
-                b = _seqsum_index_add(t, fz).view(torch.int32)
-                ok = ok and torch.equal(a, b)
-        _INDEX_ADD_SEQUENTIAL = ok
-    return _INDEX_ADD_SEQUENTIAL
-
-
-def _seqsum(t: torch.Tensor, from_zero: bool = True) -> torch.Tensor:
-    """Sequential float32 sum over dim 0 (see _seqsum_loop).  CUDA's index_add_
-    uses atomics (any order), so there the loop is used."""
-    if t.device.type == "cpu" and t.shape[0] > 2 and _index_add_is_sequential():
-        return _seqsum_index_add(t, from_zero)
-    return _seqsum_loop(t, from_zero)
-
-
-def _signed_absmax(x: torch.Tensor):
-    """Over dim 0: (amax, max) where max is the first element with the largest |x|
-    (the C idiom ``if (ax > amax) { amax = ax; max = x; }`` starting from 0)."""
-    amax, idx = x.abs().max(0)          # first index of the largest |x|
-    mx = x.gather(0, idx.unsqueeze(0)).squeeze(0)
-    mx = torch.where(amax > 0, mx, torch.zeros_like(mx))
-    return amax, mx
-
-
-def _first_min(x: torch.Tensor) -> torch.Tensor:
-    """Running ``if (x[i] < min) min = x[i]`` over dim 0: the first of equal
-    minima (matters only for the sign of zero).  torch.min(dim) returns the
-    index of the first minimal value."""
-    idx = x.min(0).indices
-    return x.gather(0, idx.unsqueeze(0)).squeeze(0)
-
-
-def _first_max(x: torch.Tensor) -> torch.Tensor:
-    idx = x.max(0).indices
-    return x.gather(0, idx.unsqueeze(0)).squeeze(0)
-
-
-def _pos_max(t: torch.Tensor) -> torch.Tensor:
-    """Over dim 0: the C idiom ``m = 0; if (v > m) m = v;`` (+0.0 when nothing is positive)."""
-    m = t.amax(0)
-    return torch.where(m > 0, m, torch.zeros_like(m))
-
-
-def _cvt_i32(v: torch.Tensor) -> torch.Tensor:
-    """C float -> int conversion as x86 does it (cvttss2si): truncation, and
-    INT_MIN for NaN / out-of-range values (GPUs saturate instead)."""
-    ok = v.abs() < 2147483648.0
-    return torch.where(ok, v, torch.full_like(v, -2147483648.0)).to(torch.int32)
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    """(uint8_t) conversion of an integer tensor (wraps mod 256)."""
-    return t.to(torch.int32) & 0xFF
-
-
-def _i8(t: torch.Tensor) -> torch.Tensor:
-    """(int8_t) conversion of an integer tensor (wraps into [-128, 127])."""
-    return ((t.to(torch.int32) + 128) & 0xFF) - 128
-
-
-def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
-    """float32 (m,) -> (2, m) int32 bytes of the ggml fp16 encoding (little-endian)."""
-    h = t.to(torch.float16)
-    bits = h.view(torch.int16).to(torch.int32) & 0xFFFF
-    # ggml's software converter writes NaN as sign|0x7E00 (no data-dependent
-    # branch here: this also runs inside fused kernels)
-    sign = (t.view(torch.int32) >> 16) & 0x8000
-    bits = torch.where(torch.isnan(t), sign | 0x7E00, bits)
-    return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF])
-
-
-def _sub(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(bs, nb) super-blocks -> (n, (bs//n)*nb) sub-blocks; column = j*nb + b."""
-    bs, nb = x.shape
-    return x.view(bs // n, n, nb).permute(1, 0, 2).reshape(n, (bs // n) * nb)
-
-
-def _unsub(L: torch.Tensor, bs: int, nb: int) -> torch.Tensor:
-    """Inverse of _sub: (n, (bs//n)*nb) -> (bs, nb)."""
-    n = L.shape[0]
-    return L.view(n, bs // n, nb).permute(1, 0, 2).reshape(bs, nb)
 
 
 def _pack_nibbles_halves(L: torch.Tensor) -> torch.Tensor:
@@ -652,59 +447,6 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     scale = torch.where(degenerate, torch.zeros_like(scale), scale)
     mn_best = torch.where(degenerate, mn, mn_best)
     return scale, -mn_best, L
-
-
-def _make_qp_quants(x: torch.Tensor, nmax: int, w: torch.Tensor):
-    """make_qp_quants(n, nmax, x, L, quant_weights=w).  x, w: (n, m).
-    Returns (scale (m,), L (n, m) float32)."""
-    mx = _pos_max(x)
-    zero = mx < _GROUP_MAX_EPS
-    iscale = _div(float(nmax), mx)
-    L = _u8(_nearest_int(iscale * x)).to(_F32)      # stored in uint8_t L[]
-    scale = _recip(iscale)
-    diff = x - scale * L
-    best = _seqsum((w * diff) * diff)
-    iss = [i for i in range(-4, 5) if i != 0]
-    nums = (torch.tensor(0.1, dtype=_F32) * torch.tensor(iss, dtype=_F32) + float(nmax)).to(x.device)
-    isc = _div(nums.unsqueeze(1), mx.unsqueeze(0))                       # (C, m)
-    ssc = _recip(isc)
-    bound = torch.where(zero, torch.zeros_like(mx), isc.abs().amax(0) * x.abs().amax(0))
-    l = _round_ni(isc.unsqueeze(0) * x.unsqueeze(1), _any_big(bound)).clamp_(max=nmax)
-    diff = x.unsqueeze(1) - ssc.unsqueeze(0) * l
-    mse = _seqsum((w.unsqueeze(1) * diff) * diff)
-    for c in range(len(iss)):
-        upd = mse[c] < best
-        best = torch.where(upd, mse[c], best)
-        iscale = torch.where(upd, isc[c], iscale)
-    L = _ni(iscale * x).clamp(max=nmax)
-    # stored in uint8_t L[]; values used later are the wrapped ones
-    L = _u8(L.to(torch.int32)).to(_F32)
-    wx = w * x
-    sums = _seqsum(torch.stack([wx * L, (w * L) * L], 1))
-    sumlx, suml2 = sums[0].clone(), sums[1].clone()
-    L = L.contiguous()
-    n = x.shape[0]
-    for _ in range(5):
-        changed = torch.zeros_like(zero)
-        for i in range(n):
-            wi, wxi, xi, Li = w[i], wx[i], x[i], L[i]
-            slx = sumlx - wxi * Li
-            sl2 = suml2 - (wi * Li) * Li
-            new_l = _ni(_div(xi * sl2, slx)).clamp(max=nmax)
-            slx_n = slx + wxi * new_l
-            sl2_n = sl2 + (wi * new_l) * new_l
-            acc = ((slx > 0) & (sl2 > 0) & (new_l != Li)
-                   & ((slx_n * slx_n) * suml2 > (sumlx * sumlx) * sl2_n))
-            L[i] = torch.where(acc, _u8(new_l.to(torch.int32)).to(_F32), Li)
-            sumlx = torch.where(acc, slx_n, sumlx)
-            suml2 = torch.where(acc, sl2_n, suml2)
-            changed |= acc
-        if not bool(changed.any()):
-            break
-    scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))
-    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
-    return scale, L
 
 
 # IQ4 codebook lookup -------------------------------------------------------
@@ -1136,6 +878,41 @@ def _enc_iq4_xs(x, qw, ctx):
     return torch.cat([_f16_bytes(d), scales_h, scales_l, _pack_nibbles_halves(L)])
 
 
+def _trits(x):
+    """TQ1_0 / TQ2_0: d = max |x| of the 256-block, each value rounded (lroundf) to -1, 0, 1 of d and stored
+    as the trit 0, 1, 2.  x (256, nb) -> trits (256, nb) int32, d (nb,)."""
+    d = x.abs().amax(0)
+    idd = torch.where(d != 0, _recip(d), torch.zeros_like(d))
+    return _lround(x * idd.unsqueeze(0)) + 1, d
+
+
+def _base3_byte(t: torch.Tensor) -> torch.Tensor:
+    """(5, k, nb) trits, the first the most significant -> (k, nb) bytes: the 5-trit number scaled to 0..255
+    by ceiling division (q * 256 + 242) / 243, so that a byte times 3^n keeps trit n in its top bits."""
+    q = torch.zeros_like(t[0])
+    for n in range(t.shape[0]):
+        q = q * 3 + t[n]
+    return (q * 256 + 242) // 243
+
+
+def _enc_tq1_0(x, qw, ctx):
+    nb = x.shape[1]
+    t, d = _trits(x)
+    head = _base3_byte(t[:160].view(5, 32, nb))                 # 5 trits per byte, bytes 0..31
+    tail = _base3_byte(t[160:240].view(5, 16, nb))              # bytes 32..47
+    # the last 16 values: 4 trits per byte, shifted up one trit (a zero trit appended) to the same scaling
+    qh = _base3_byte(torch.cat([t[240:].view(4, 4, nb), torch.zeros((1, 4, nb), dtype=t.dtype, device=t.device)]))
+    return torch.cat([head, tail, qh, _f16_bytes(d)])
+
+
+def _enc_tq2_0(x, qw, ctx):
+    nb = x.shape[1]
+    t, d = _trits(x)
+    v = (t & 3).view(2, 4, 32, nb)
+    qs = v[:, 0] | (v[:, 1] << 2) | (v[:, 2] << 4) | (v[:, 3] << 6)
+    return torch.cat([qs.reshape(64, nb), _f16_bytes(d)])
+
+
 # (encoder, relative work per element: sizes the chunks, row-sigma needed for imatrix)
 _ENCODERS = {
     QT.Q8_0: (_enc_q8_0, 1, False),
@@ -1150,6 +927,9 @@ _ENCODERS = {
     QT.Q6_K: (_enc_q6_k, 2, False),
     QT.IQ4_NL: (_enc_iq4_nl, 8, False),
     QT.IQ4_XS: (_enc_iq4_xs, 8, False),
+    QT.TQ1_0: (_enc_tq1_0, 1, False),
+    QT.TQ2_0: (_enc_tq2_0, 1, False),
+    **GRID_ENCODERS,
 }
 # Where each type's codes sit in its block and how they are packed, for writers that choose codes themselves on
 # a block's own scales (feedback.py): the bytes [start, end) of a block hold pack(codes), codes (block size, nb)
@@ -1197,7 +977,7 @@ def with_codes(data: np.ndarray, qtype: GGMLQuantizationType, codes: torch.Tenso
 _IMATRIX_WORK = {QT.Q4_0: 2, QT.Q5_0: 2, QT.Q4_1: 1, QT.Q5_1: 1, QT.Q2_K: 1,
                  QT.Q3_K: 2, QT.Q4_K: 1, QT.Q5_K: 1}
 # types whose llama.cpp quantizer ignores the importance matrix
-_IMATRIX_IGNORED = {QT.Q8_0, QT.F32, QT.F16, QT.BF16}
+_IMATRIX_IGNORED = {QT.Q8_0, QT.F32, QT.F16, QT.BF16, QT.TQ1_0, QT.TQ2_0}
 
 
 def _chunk_elems(device: torch.device) -> int:
@@ -1262,6 +1042,8 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
             bits = _bf16_bits(xd.to(_F32).contiguous())
         return bits.contiguous().cpu().numpy().view(np.uint8).reshape(rows, n * 2)
 
+    if imatrix is None and qtype in NEEDS_IMATRIX:
+        raise ValueError(f"{qtype.name} needs an importance matrix (llama.cpp refuses to quantize without one)")
     enc, work, row_sigma = _ENCODERS[qtype]
     # converted to float32 chunk by chunk: a whole-tensor copy would double
     # the peak memory on the largest tensor (the output matrix)

@@ -134,7 +134,7 @@ def _machine_key() -> str:
     loops' schedule, and the source of the fused functions."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in ("fusion.py", "encoders.py"):
+    for f in ("fusion.py", "encoders.py", "exact.py"):
         h.update((here / f).read_bytes())
     cpu = platform.processor()
     try:

@@ -29,12 +29,12 @@ Behaviour worth knowing (all as in llama.cpp):
   present; then ``token_embd.weight`` gets the output tensor's rule.
 * Overrides (``--tensor-type``) and all rules apply only when the file
   type's default type is a quantized type: F16/BF16/F32 files ignore them.
-* No importance matrix is assumed (the imatrix-dependent branches -- IQ4 and
-  Q4_0/Q5_0 ``ffn_down`` -- take their "no imatrix" side).
+* Without ``has_imatrix`` the importance-matrix-dependent branches (IQ4,
+  Q4_0/Q5_0 ``ffn_down``, IQ3_XXS) take their "no imatrix" side.
 * The 70B bump (attn_v Q3_K/Q4_K -> Q5_K) is applied for 80-layer models
   with grouped-query attention and ``n_expert != 8`` (llama's rule; qwen2
   also marks 80-layer MHA models as 70B, which cannot be told apart here).
-* Falcon-only rules and the IQ1/IQ2/IQ3/TQ/MXFP4 file types are out of
+* Falcon-only rules and the MXFP4/NVFP4/Q1_0/Q2_0 file types are out of
   scope.
 """
 
@@ -103,6 +103,19 @@ FILE_TYPES: dict[str, FileTypeSpec] = dict([
     _ft("Q6_K", Q.Q6_K, LlamaFileType.MOSTLY_Q6_K, "6-bit K-quant everywhere"),
     _ft("Q8_0", Q.Q8_0, LlamaFileType.MOSTLY_Q8_0, "8-bit, 32-element blocks, output kept Q8_0"),
     _ft("IQ4_NL", Q.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL, "4-bit non-linear grid, 32-element blocks"),
+    _ft("Q2_K_S", Q.Q2_K, LlamaFileType.MOSTLY_Q2_K_S, "2-bit K-quant, first eighth's ffn_down Q4_K (importance matrix required)"),
+    _ft("IQ3_M", Q.IQ3_S, LlamaFileType.MOSTLY_IQ3_M, "3.4-bit lattice mix: attn_v/attn_output/first ffn_down Q4_K"),
+    _ft("IQ3_S", Q.IQ3_S, LlamaFileType.MOSTLY_IQ3_S, "3.4-bit lattice (IQ3_S) nearly everywhere"),
+    _ft("IQ3_XS", Q.IQ3_S, LlamaFileType.MOSTLY_IQ3_XS, "3.3-bit lattice mix: IQ3_S with IQ3_XXS in the middle layers"),
+    _ft("IQ3_XXS", Q.IQ3_XXS, LlamaFileType.MOSTLY_IQ3_XXS, "3.06-bit lattice (importance matrix required)"),
+    _ft("IQ2_M", Q.IQ2_S, LlamaFileType.MOSTLY_IQ2_M, "2.7-bit lattice mix, IQ2_S (importance matrix required)"),
+    _ft("IQ2_S", Q.IQ2_XS, LlamaFileType.MOSTLY_IQ2_S, "2.5-bit lattice mix, IQ2_XS (importance matrix required)"),
+    _ft("IQ2_XS", Q.IQ2_XS, LlamaFileType.MOSTLY_IQ2_XS, "2.31-bit lattice (importance matrix required)"),
+    _ft("IQ2_XXS", Q.IQ2_XXS, LlamaFileType.MOSTLY_IQ2_XXS, "2.06-bit lattice (importance matrix required)"),
+    _ft("IQ1_M", Q.IQ1_M, LlamaFileType.MOSTLY_IQ1_M, "1.75-bit lattice (importance matrix required)"),
+    _ft("IQ1_S", Q.IQ1_S, LlamaFileType.MOSTLY_IQ1_S, "1.56-bit lattice (importance matrix required)"),
+    _ft("TQ1_0", Q.TQ1_0, LlamaFileType.MOSTLY_TQ1_0, "ternary 1.69 bpw, for ternary-trained models (BitNet b1.58, TriLM)"),
+    _ft("TQ2_0", Q.TQ2_0, LlamaFileType.MOSTLY_TQ2_0, "ternary 2.06 bpw, for ternary-trained models (BitNet b1.58, TriLM)"),
     _ft("IQ4_XS", Q.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS, "4-bit non-linear grid, 256-element super-blocks"),
     _ft("F16", Q.F16, LlamaFileType.MOSTLY_F16, "IEEE half precision, no quantization"),
     _ft("BF16", Q.BF16, LlamaFileType.MOSTLY_BF16, "bfloat16, no quantization"),
@@ -251,6 +264,7 @@ class _Ctx:
     n_expert: int
     is_70b: bool
     has_imatrix: bool = False   # llama-quantize given an importance matrix
+    i_count: int = -1   # the category's own counter before this tensor (ffn_*: llama.cpp's i_ffn_down ...)
 
 
 # condition label -> predicate; the label is what ends up in TensorChoice.reason
@@ -267,6 +281,12 @@ _CONDITIONS: dict[str, Callable[[_Ctx], bool]] = {
     "use_more_bits(layer)": lambda c: use_more_bits(c.i_layer, c.n_layer),
     "n_expert==8": lambda c: c.n_expert == 8,
     "n_expert!=8": lambda c: c.n_expert != 8,
+    "n_gqa>=4 or n_expert>=4": lambda c: c.n_gqa >= 4 or c.n_expert >= 4,
+    "without imatrix": lambda c: not c.has_imatrix,
+    "count<n/8": lambda c: c.i_count < c.n_layer // 8,
+    "n/8<=layer<7n/8": lambda c: c.n_layer // 8 <= c.i_layer < 7 * c.n_layer // 8,
+    "layer<n/8 or 8 experts and use_more_bits(layer)":
+        lambda c: c.i_layer < c.n_layer // 8 or (c.n_expert == 8 and use_more_bits(c.i_layer, c.n_layer)),
 }
 
 _ANY = frozenset(FILE_TYPES)
@@ -279,16 +299,29 @@ def _describe(cond: str, c: _Ctx) -> str:
         return f"{cond} [{c.i_wv}/{c.n_wv}] "
     if "layer" in cond:
         return f"{cond} [{c.i_layer}/{c.n_layer}] "
+    if "count" in cond:
+        return f"{cond} [{c.i_count}/{c.n_layer}] "
     return f"{cond} "
 
 
 # category -> ordered rows (file types, condition, new type).  The first row
 # whose file type set contains the file type and whose condition holds wins;
 # when no row matches the default type is kept.
-_RULES: dict[str, tuple[tuple[frozenset[str], str, GGMLQuantizationType], ...]] = {
+_Rows = tuple[tuple[frozenset[str], str, GGMLQuantizationType], ...]
+# an untied token_embd (a tied one follows the output rule)
+_TOKEN_EMBD: _Rows = (
+    (frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"}), "always", Q.Q2_K),
+    (frozenset({"IQ2_S", "IQ2_M", "IQ3_XXS"}), "always", Q.IQ3_S),
+    (frozenset({"TQ1_0", "TQ2_0"}), "always", Q.Q4_K),
+)
+_RULES: dict[str, _Rows] = {
+    "token_embd": _TOKEN_EMBD,
     "attn_v": (
         (frozenset({"Q2_K"}), "n_gqa>=4", Q.Q4_K),
         (frozenset({"Q2_K"}), "always", Q.Q3_K),
+        (frozenset({"Q2_K_S", "IQ3_XXS", "IQ3_XS", "IQ3_S"}), "n_gqa>=4", Q.Q4_K),
+        (frozenset({"IQ3_XXS"}), "without imatrix", Q.IQ3_S),
+        (frozenset({"IQ3_M"}), "always", Q.Q4_K),
         (frozenset({"Q3_K_M"}), "i_attention_wv<2", Q.Q5_K),
         (frozenset({"Q3_K_M"}), "always", Q.Q4_K),
         (frozenset({"Q3_K_L"}), "always", Q.Q5_K),
@@ -298,9 +331,19 @@ _RULES: dict[str, tuple[tuple[frozenset[str], str, GGMLQuantizationType], ...]] 
     ),
     "attn_k": (
         (_ANY, "n_expert==8", Q.Q8_0),
+        (frozenset({"IQ3_XS"}), "always", Q.IQ3_XXS),
+        (frozenset({"IQ3_XXS"}), "always", Q.IQ2_S),
+    ),
+    "attn_q": (
+        (frozenset({"IQ3_XS"}), "always", Q.IQ3_XXS),
+        (frozenset({"IQ3_XXS"}), "always", Q.IQ2_S),
     ),
     "ffn_down": (
         (frozenset({"Q2_K"}), "always", Q.Q3_K),
+        (frozenset({"Q2_K_S"}), "layer<n/8", Q.Q4_K),
+        (frozenset({"IQ3_XXS"}), "layer<n/8 without imatrix", Q.Q4_K),
+        (frozenset({"IQ3_XXS"}), "without imatrix", Q.Q3_K),
+        (frozenset({"IQ3_M"}), "layer<n/8 or 8 experts and use_more_bits(layer)", Q.Q4_K),
         (frozenset({"Q3_K_M"}), "layer<n/16", Q.Q5_K),
         (frozenset({"Q3_K_M"}), "always", Q.Q4_K),
         (frozenset({"Q3_K_L"}), "always", Q.Q5_K),
@@ -312,12 +355,41 @@ _RULES: dict[str, tuple[tuple[frozenset[str], str, GGMLQuantizationType], ...]] 
         (frozenset({"Q5_0"}), "layer<n/8 with imatrix", Q.Q5_1),
     ),
     "attn_output": (
-        (frozenset({"Q2_K", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ4_XS"}), "n_expert==8", Q.Q5_K),
+        (frozenset({"Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M",
+                    "IQ4_XS"}), "n_expert==8", Q.Q5_K),
         (frozenset({"Q2_K"}), "n_expert!=8", Q.Q3_K),
+        (frozenset({"IQ3_XXS"}), "n_expert!=8", Q.IQ3_S),
+        (frozenset({"IQ3_M"}), "n_expert!=8", Q.Q4_K),
         (frozenset({"Q3_K_M"}), "n_expert!=8", Q.Q4_K),
         (frozenset({"Q3_K_L"}), "n_expert!=8", Q.Q5_K),
     ),
+    "ffn_gate": ((frozenset({"IQ3_XS"}), "n/8<=layer<7n/8", Q.IQ3_XXS),),
+    "ffn_up": ((frozenset({"IQ3_XS"}), "n/8<=layer<7n/8", Q.IQ3_XXS),),
 }
+
+# The lowest-bit file types have rules of their own, which replace the table above (llama-quant.cpp's branch
+# for them); attn_v then gets neither the 70B nor the 8-expert bump, and ffn_down counts its tensors.
+_LOW_BIT = frozenset({"IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M"})
+_LOW_BIT_RULES: dict[str, _Rows] = {
+    "token_embd": _TOKEN_EMBD,
+    "attn_v": (
+        (_LOW_BIT, "n_gqa>=4 or n_expert>=4", Q.Q4_K),
+        (frozenset({"IQ2_S", "IQ2_M"}), "always", Q.IQ3_S),
+        (_LOW_BIT, "always", Q.Q2_K),
+    ),
+    "attn_k": ((_LOW_BIT, "n_expert==8", Q.Q4_K),),
+    "ffn_down": (
+        (frozenset({"IQ2_S", "IQ2_M"}), "count<n/8", Q.IQ3_S),
+        (_LOW_BIT, "count<n/8", Q.Q2_K),
+    ),
+    "attn_output": (
+        (_LOW_BIT, "n_expert==8", Q.Q5_K),
+        (frozenset({"IQ1_S", "IQ1_M"}), "always", Q.IQ2_XXS),
+        (frozenset({"IQ2_S", "IQ2_M"}), "always", Q.IQ3_S),
+    ),
+}
+# an output tensor (or tied token_embd) of these file types is Q5_K rather than Q6_K
+_OUTPUT_Q5_K = _LOW_BIT | {"IQ3_XXS"}
 
 # Applied to attn_v-like tensors after the table above, in this order:
 # (condition, types it applies to (None = any), new type, label)
@@ -483,6 +555,7 @@ def plan_types(
         else:
             cat = tensor_category(name)
             # layer index as llama.cpp's per-category logic sees it
+            i_count = counters.get(cat, -1)
             if cat in counters:
                 if n_expert > 1:
                     m = _BLK_RE.match(name)
@@ -496,26 +569,30 @@ def plan_types(
                 counters[cat] += 1
             else:
                 i_layer = -1
-            ctx = _Ctx(i_layer, n_layer, i_wv, n_wv, n_gqa, n_expert, is_70b, has_imatrix)
+            ctx = _Ctx(i_layer, n_layer, i_wv, n_wv, n_gqa, n_expert, is_70b, has_imatrix, i_count)
 
             if cat == "output" or (cat == "token_embd" and tied):
                 role = "output" if cat == "output" else "output (tied token_embd)"
                 if ne0 % _block(default) != 0:
                     qtype = Q.Q8_0
                     reasons.append(f"{role}: {ne0} % {_block(default)} -> Q8_0")
+                elif ftype in _OUTPUT_Q5_K:
+                    qtype = Q.Q5_K
+                    reasons.append(f"{role} -> Q5_K")
                 elif default != Q.Q8_0:
                     qtype = Q.Q6_K
                     reasons.append(f"{role} -> Q6_K")
                 else:
                     reasons.append(role)
             else:
-                for ftypes, cond, new in _RULES.get(cat, ()):
+                low_bit = ftype in _LOW_BIT
+                for ftypes, cond, new in (_LOW_BIT_RULES if low_bit else _RULES).get(cat, ()):
                     if ftype in ftypes and _CONDITIONS[cond](ctx):
                         qtype = new
                         reasons.append(f"{cat} {_describe(cond, ctx)}-> {new.name}")
                         break
                 if cat == "attn_v":
-                    for cond_fn, only, new, label in _ATTN_V_AFTER:
+                    for cond_fn, only, new, label in () if low_bit else _ATTN_V_AFTER:
                         if cond_fn(ctx) and (only is None or qtype in only):
                             qtype = new
                             reasons.append(f"{label} -> {new.name}")

@@ -1,0 +1,332 @@
+"""Encoders of llama.cpp's lattice types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), byte-identical to
+ggml-quants.c, vectorized.
+
+These types store each group of 8 (IQ2) or 4 (IQ3) magnitudes as the index of a point of a fixed lattice
+(grids.py), the signs apart, and one 4-bit scale per sub-block of 16 or 32 values under an fp16 super-block
+scale.  llama.cpp's search, per sub-block (the numbers of each type are the _Lattice rows below):
+
+1. weights: with an importance matrix qw·sqrt(σ² + x²), σ² = k·Σx²/256 over the super-block; without one
+   x² (IQ3) or σ²/4 + x² (IQ2_S); IQ2_XXS and IQ2_XS need the matrix.  Values are taken by magnitude; the
+   "even" types store 7 sign bits per 8 values: an odd count of negatives flips the value with the smallest
+   w·x², so the 8th sign is the parity;
+2. for each trial inverse scale id = (2·kmax - 1 + step·is) / top, is = -trials..trials (top: the largest
+   magnitude, or for IQ2_XXS kmax times make_qp_quants' scale): levels l = nearest_int((id·|x| - 1) / 2)
+   clamped to the grid's range; a group whose levels are no grid point takes the candidate of its neighbour
+   list (grids.py) nearest in the weighted distance at scale 1/id; a trial strictly better in
+   (Σwxq)² / Σwq² than all before it wins, scale = Σwxq / Σwq² (q = 2l + 1);
+3. the groups (those that came from a neighbour list, or all) are requantized once at the winning scale, and
+   the scale refitted;
+4. the super-block scale d = max scale / 31, stored times the type's fudge factor, and the 4-bit sub-block
+   scales nearest_int((s/d - 1) / 2).
+
+Every step is the same float32 operation as the C, sums sequential where the C sums, the first minimum where
+the C keeps the first; one trial is one vector step over all sub-blocks of a chunk.  One quirk is reproduced on
+purpose: IQ3_S does not advance its output pointers past an all-zero sub-block, so the next sub-block's indices
+and signs land in its slot and the last slots stay zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from .exact import _div, _f16_bytes, _nearest_int, _recip, _seqsum, _sqrt, _sub
+from .grids import GridTables, grid_tables
+from .qp_search import make_qp_quants
+
+__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX"]
+
+QT = GGMLQuantizationType
+_F32 = torch.float32
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+@dataclass(frozen=True)
+class _Lattice:
+    qtype: GGMLQuantizationType
+    sub: int                  # values per sub-block (one 4-bit scale)
+    kmax: int                 # levels 0 .. kmax-1
+    trials: int               # is = -trials .. trials
+    step: float               # id = (2·kmax - 1 + step·is) / top
+    parity: bool              # 7 sign bits per 8 values, the 8th the parity
+    eps: float                # a sub-block whose largest magnitude is below this is left zero
+    sigma: float              # σ² = sigma · Σx² / 256
+    plain: str | None         # weights without a matrix: "x2", "sigma/4+x2", None (matrix required)
+    qp_start: bool            # IQ2_XXS: top = kmax · make_qp_quants' scale
+    track: bool               # remember which winning groups came from a neighbour list
+    redo_all: bool            # step 3 requantizes every group (else only those)
+    fudge: float              # d is stored times this
+
+
+_LATTICES = {
+    QT.IQ3_XXS: _Lattice(QT.IQ3_XXS, 32, 8, 15, 0.2, True, 1e-8, 2.0, "x2", False, True, False, 1.0125),
+    QT.IQ3_S: _Lattice(QT.IQ3_S, 32, 8, 9, 0.2, False, 0.0, 2.0, "x2", False, True, True, 1.033),
+    QT.IQ2_XXS: _Lattice(QT.IQ2_XXS, 32, 3, 6, 0.1, True, 1e-15, 1.0, None, True, False, True, 1.0),
+    QT.IQ2_XS: _Lattice(QT.IQ2_XS, 16, 3, 9, 0.1, True, 1e-15, 1.0, None, False, True, False, 1.0),
+    QT.IQ2_S: _Lattice(QT.IQ2_S, 16, 3, 9, 0.1, False, 1e-8, 2.0, "sigma/4+x2", False, True, False, 0.9875),
+}
+# ggml-quants.c asserts on a missing importance matrix for these
+NEEDS_IMATRIX = frozenset(t for t, p in _LATTICES.items() if p.plain is None)
+
+
+def _best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    """iq2/iq3_find_best_neighbour for off-grid groups: u (g,), xval / waux (g, dim), scale (g,) -> grid index
+    (g,): the first candidate of u's list with the smallest Σ waux·(scale·q - x)², summed in position order.
+
+    The lists are ragged, so every (group, candidate) pair is one lane.  A pair's terms come from a per-group
+    table of waux·(scale·v - x)² for each position and each odd level value v: the same float32 operations as
+    the C's, computed once per group rather than once per candidate."""
+    g, dim = xval.shape
+    rows = tab.row_of[u]
+    count = tab.count[rows]
+    pair_group = torch.repeat_interleave(torch.arange(g, device=u.device), count)
+    first_pair = torch.cumsum(count, 0) - count
+    within = torch.arange(pair_group.numel(), device=u.device) - first_pair[pair_group]
+    cand = tab.flat[tab.start[rows][pair_group] + within]
+    values = torch.arange(1, 2 * (1 << tab.bits), 2, device=u.device, dtype=_F32)        # 2l + 1
+    diff = scale.view(g, 1, 1) * values.view(1, 1, -1) - xval.unsqueeze(2)              # (g, dim, levels)
+    terms = (waux.unsqueeze(2) * diff * diff).reshape(-1)
+    idx = tab.term_offset.index_select(0, cand) + (pair_group * (dim * values.numel())).unsqueeze(1)
+    v = torch.take(terms, idx)                                                            # (pairs, dim)
+    d2 = v[:, 0]
+    for i in range(1, dim):
+        d2 = d2 + v[:, i]
+    least = torch.full((g,), float("inf"), device=u.device).scatter_reduce(0, pair_group, d2, "amin")
+    hit = d2 == least[pair_group]
+    lane = torch.arange(d2.numel(), device=u.device)
+    first = torch.full((g,), d2.numel(), device=u.device, dtype=torch.int64).scatter_reduce(
+        0, pair_group[hit], lane[hit], "amin")
+    return cand[first]
+
+
+def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor):
+    """Levels lv (sub, m) -> (levels on the grid (sub, m), on-grid mask (groups, m)): an off-grid group takes
+    its best neighbour at `scale` (m,)."""
+    sub, m = lv.shape
+    dim = tab.dim
+
+    def grouped(t):
+        return t.view(sub // dim, dim, m).permute(0, 2, 1)               # (groups, m, dim)
+
+    Lg = grouped(lv)
+    u = tab.index(Lg)
+    on = tab.index_of[u.long()] >= 0
+    off = ~on
+    if bool(off.any()):
+        sc = scale.unsqueeze(0).expand(sub // dim, m)[off]
+        best = _best_neighbour(tab, u[off], grouped(xval)[off], grouped(waux)[off], sc)
+        Lg = Lg.clone()
+        Lg[off] = tab.levels[best.long()]
+    return Lg.permute(0, 2, 1).reshape(sub, m), on
+
+
+def _sums(w, xval, L):
+    """Σ w·x·q and Σ w·q² over a sub-block (sequential), q = 2L + 1."""
+    q = (2 * L + 1).to(_F32)
+    return _seqsum(w * xval * q), _seqsum(w * q * q)
+
+
+def _levels(idd, xval, kmax):
+    return _nearest_int(0.5 * (idd.unsqueeze(0) * xval - 1.0)).clamp(0, kmax - 1)
+
+
+def _search(p: _Lattice, tab: GridTables, xval, w, waux, top, scale):
+    """Steps 2-3 of the module docstring for m sub-blocks: xval, w, waux (sub, m); top, the starting scale
+    (m,) -> levels (sub, m) int32 and scale (m,)."""
+    sub, m = xval.shape
+    groups = sub // tab.dim
+    best = torch.zeros(m, dtype=_F32, device=xval.device)
+    L = torch.zeros((sub, m), dtype=torch.int32, device=xval.device)
+    on_grid = torch.full((groups, m), p.track and not p.redo_all, dtype=torch.bool, device=xval.device)
+    base = np.float32(2 * p.kmax - 1)
+    for k in range(-p.trials, p.trials + 1):
+        idd = _div(_f32(base + np.float32(k) * np.float32(p.step)), top)
+        Laux, on = _snap(tab, _levels(idd, xval, p.kmax), xval, waux, _recip(idd))
+        sumqx, sumq2 = _sums(w, xval, Laux)
+        take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
+        scale = torch.where(take, _div(sumqx, sumq2), scale)
+        best = torch.where(take, scale * sumqx, best)
+        L = torch.where(take.unsqueeze(0), Laux, L)
+        if p.track:
+            on_grid = torch.where(take.unsqueeze(0), on, on_grid)
+    redo = (~on_grid).any(0) & (scale > 0)
+    if bool(redo.any()):
+        cols = redo.nonzero().squeeze(1)
+        xs, ws, wa, sc = xval[:, cols], w[:, cols], waux[:, cols], scale[cols]
+        Lnew, _ = _snap(tab, _levels(_recip(sc), xs, p.kmax), xs, wa, sc)
+        if not p.redo_all:
+            keep = on_grid[:, cols].repeat_interleave(tab.dim, 0)
+            Lnew = torch.where(keep, L[:, cols], Lnew)
+        sumqx, sumq2 = _sums(ws, xs, Lnew)
+        L[:, cols] = Lnew
+        scale[cols] = torch.where(sumq2 > 0, _div(sumqx, sumq2), sc)
+    return L, scale
+
+
+def _weights(p: _Lattice, x, qw):
+    """Weights and their square roots for (256, nb) super-blocks, as (sub, (256/sub)·nb) sub-blocks."""
+    if qw is None and p.plain == "x2":
+        w = x * x
+    else:
+        sigma2 = _div(p.sigma * _seqsum(x * x), 256.0)
+        if qw is None:
+            w = _f32(0.25) * sigma2.unsqueeze(0) + x * x
+        else:
+            w = qw * _sqrt(sigma2.unsqueeze(0) + x * x)
+    w = _sub(w, p.sub)
+    return w, _sqrt(w)
+
+
+@dataclass
+class _Coded:
+    """A chunk's search result, per sub-block column j·nb + b: grid indices (groups, m), signs of each 8 values
+    (sub/8, m), the 4-bit scales (256/sub, nb), the fp16 d bytes (2, nb), which sub-blocks were searched, and
+    which super-blocks are all zero."""
+    gi: torch.Tensor
+    signs: torch.Tensor
+    ls: torch.Tensor
+    dh: torch.Tensor
+    active: torch.Tensor
+    empty: torch.Tensor
+
+
+def _encode(p: _Lattice, x, qw) -> _Coded:
+    nb = x.shape[1]
+    dev = x.device
+    tab = grid_tables(p.qtype).to(dev)
+    w, waux = _weights(p, x, qw)
+    xs = _sub(x, p.sub)                                                 # (sub, m), m = (256/sub)·nb
+    m = xs.shape[1]
+    n8 = p.sub // 8
+    neg = xs < 0
+    xval = torch.where(neg, -xs, xs)                                    # keeps -0.0 like the C
+    bit = 1 << torch.arange(8, device=dev, dtype=torch.int64).view(1, 8, 1)
+    signs = (neg.view(n8, 8, m).to(torch.int64) * bit).sum(1)
+    if p.parity:
+        odd = (neg.view(n8, 8, m).sum(1) % 2) == 1
+        imin = (w * xs * xs).view(n8, 8, m).min(1).indices               # the first of equal minima
+        flip = odd.unsqueeze(1) & (torch.arange(8, device=dev).view(1, 8, 1) == imin.unsqueeze(1))
+        xval = torch.where(flip.reshape(p.sub, m), -xval, xval)
+        signs = (signs ^ (flip.to(torch.int64) * bit).sum(1)) & 127
+    mx = xval.amax(0)
+    active = mx >= _f32(p.eps) if p.eps > 0 else mx != 0
+    L = torch.zeros((p.sub, m), dtype=torch.int32, device=dev)
+    scale = torch.zeros(m, dtype=_F32, device=dev)
+    if bool(active.any()):
+        cols = active.nonzero().squeeze(1)
+        xa, wa = xval[:, cols], w[:, cols]
+        if p.qp_start:
+            start, _ = make_qp_quants(xa, p.kmax + 1, wa)
+            top = start * float(p.kmax)
+            ok = top > 0                                                # else the sub-block is left zero
+            active[cols] = ok
+            cols, start, top, xa, wa = cols[ok], start[ok], top[ok], xa[:, ok], wa[:, ok]
+        else:
+            top = mx[cols]
+            start = _div(top, float(2 * p.kmax - 1))
+        La, sa = _search(p, tab, xa, wa, waux[:, cols], top, start)
+        flip = sa < 0
+        signs[:, cols] = torch.where(flip.unsqueeze(0), ~signs[:, cols] & (127 if p.parity else 255),
+                                     signs[:, cols])
+        L[:, cols], scale[cols] = La, torch.where(flip, -sa, sa)
+    gi = tab.index_of[tab.index(L.view(p.sub // tab.dim, tab.dim, m).permute(0, 2, 1)).long()].to(torch.int64)
+    zero = ~active.unsqueeze(0)
+    gi = gi.masked_fill(zero, 0)
+    signs = signs.masked_fill(zero, 0)
+
+    scales = scale.view(256 // p.sub, nb)
+    max_scale = scales.amax(0)
+    d = _div(max_scale, 31.0)
+    ls = _nearest_int(0.5 * (_recip(d).unsqueeze(0) * scales - 1.0)).clamp(0, 15).to(torch.int64)
+    dh = _f16_bytes(d * _f32(p.fudge) if p.fudge != 1.0 else d).to(torch.int64)
+    return _Coded(gi, signs, ls, dh, active, max_scale == 0)
+
+
+def _bytes_le(v: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """(k, nb) unsigned values held in int64 -> (nbytes·k, nb) little-endian bytes."""
+    k, nb = v.shape
+    return torch.stack([(v >> (8 * i)) & 0xFF for i in range(nbytes)], 1).reshape(nbytes * k, nb)
+
+
+def _nibbles(ls: torch.Tensor) -> torch.Tensor:
+    return ls[0::2] | (ls[1::2] << 4)
+
+
+def _zero_where(empty: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return t.masked_fill(empty.unsqueeze(0), 0)
+
+
+def _enc_iq3_xxs(x, qw, ctx):
+    """block_iq3_xxs: d, 64 grid indices (byte 8j + k), 8 words: 4×7 sign bits | scale << 28."""
+    nb = x.shape[1]
+    c = _encode(_LATTICES[QT.IQ3_XXS], x, qw)
+    q3 = c.gi.view(8, 8, nb).permute(1, 0, 2).reshape(64, nb)
+    sh = torch.tensor([0, 7, 14, 21], device=x.device, dtype=torch.int64).view(4, 1, 1)
+    words = (c.signs.view(4, 8, nb) << sh).sum(0) | (c.ls << 28)
+    return _zero_where(c.empty, torch.cat([c.dh, q3, _bytes_le(words, 4)]))
+
+
+def _enc_iq3_s(x, qw, ctx):
+    """block_iq3_s: d, 64 low index bytes, 8 bytes of index bit 8, 32 sign bytes, 4 bytes of scale pairs."""
+    nb = x.shape[1]
+    c = _encode(_LATTICES[QT.IQ3_S], x, qw)
+    gi = c.gi.view(8, 8, nb)                                            # [group k, sub-block j, b]
+    qh = ((gi >> 8) << torch.arange(8, device=x.device, dtype=torch.int64).view(8, 1, 1)).sum(0)
+    # llama.cpp's pointer quirk: sub-block j's low index bytes and signs go to slot (searched sub-blocks
+    # before j); a sub-block left zero writes nothing (its slot index 8 is dropped)
+    act = c.active.view(8, nb)
+    slot = torch.where(act, torch.cumsum(act.to(torch.int64), 0) - 1, torch.full_like(act, 8, dtype=torch.int64))
+    qs = torch.zeros((9, 8, nb), dtype=torch.int64, device=x.device)
+    qs.scatter_(0, slot.unsqueeze(1).expand(8, 8, nb), (gi & 255).permute(1, 0, 2))
+    sg = torch.zeros((9, 4, nb), dtype=torch.int64, device=x.device)
+    sg.scatter_(0, slot.unsqueeze(1).expand(8, 4, nb), c.signs.view(4, 8, nb).permute(1, 0, 2))
+    return torch.cat([_zero_where(c.empty, c.dh), qs[:8].reshape(64, nb), qh, sg[:8].reshape(32, nb),
+                      _zero_where(c.empty, _nibbles(c.ls))])
+
+
+def _enc_iq2_xxs(x, qw, ctx):
+    """block_iq2_xxs: d, 8 × (word of 4 grid indices, word of 4×7 sign bits | scale << 28)."""
+    nb = x.shape[1]
+    c = _encode(_LATTICES[QT.IQ2_XXS], x, qw)
+    sh = torch.arange(4, device=x.device, dtype=torch.int64).view(4, 1, 1)
+    grid = (c.gi.view(4, 8, nb) << (8 * sh)).sum(0)
+    sign = (c.signs.view(4, 8, nb) << (7 * sh)).sum(0) | (c.ls << 28)
+    words = torch.stack([grid, sign], 1).reshape(16, nb)
+    return _zero_where(c.empty, torch.cat([c.dh, _bytes_le(words, 4)]))
+
+
+def _enc_iq2_xs(x, qw, ctx):
+    """block_iq2_xs: d, 32 × uint16 (grid index | 7 sign bits << 9), 8 bytes of scale pairs."""
+    nb = x.shape[1]
+    c = _encode(_LATTICES[QT.IQ2_XS], x, qw)
+    half = c.gi.view(2, 16, nb) | (c.signs.view(2, 16, nb) << 9)       # [k, sub-block j, b]
+    q2 = half.permute(1, 0, 2).reshape(32, nb)                          # entry 2j + k
+    return _zero_where(c.empty, torch.cat([c.dh, _bytes_le(q2, 2), _nibbles(c.ls)]))
+
+
+def _enc_iq2_s(x, qw, ctx):
+    """block_iq2_s: d, 32 low index bytes, 32 sign bytes, 8 bytes of index bits 8-9, 8 bytes of scale pairs."""
+    nb = x.shape[1]
+    c = _encode(_LATTICES[QT.IQ2_S], x, qw)
+    gi = c.gi.view(2, 16, nb).permute(1, 0, 2).reshape(32, nb)          # entry i8 = 2j + k
+    signs = c.signs.view(2, 16, nb).permute(1, 0, 2).reshape(32, nb)
+    sh = (2 * torch.arange(4, device=x.device, dtype=torch.int64)).view(1, 4, 1)
+    qh = ((gi >> 8).view(8, 4, nb) << sh).sum(1)
+    return torch.cat([_zero_where(c.empty, c.dh), gi & 255, signs, qh, _zero_where(c.empty, _nibbles(c.ls))])
+
+
+# type -> (encoder, relative work per element, row sigma needed): the shape of encoders.py's table
+GRID_ENCODERS = {
+    QT.IQ3_XXS: (_enc_iq3_xxs, 8, False),
+    QT.IQ3_S: (_enc_iq3_s, 8, False),
+    QT.IQ2_XXS: (_enc_iq2_xxs, 8, False),
+    QT.IQ2_XS: (_enc_iq2_xs, 8, False),
+    QT.IQ2_S: (_enc_iq2_s, 8, False),
+}
