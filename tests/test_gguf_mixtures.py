@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,9 @@ MODELS: dict = EXPECTED["models"]
 CASES: dict = EXPECTED["cases"]
 
 ALL_FILE_TYPES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_S",
-                  "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "F16", "BF16", "F32"]
+                  "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS",
+                  "Q2_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M",
+                  "IQ1_S", "TQ1_0", "TQ2_0", "F16", "BF16", "F32"]
 
 
 # --------------------------------------------------------------------------
@@ -56,7 +59,7 @@ def plan_for(model: dict, case: dict) -> list[TensorChoice]:
         model_tensors(model), case["file_type"],
         n_layer=hp["n_layer"], n_head=hp["n_head"], n_head_kv=hp["n_head_kv"], n_expert=hp["n_expert"],
         tied_embeddings=model["tied_embeddings"],
-        overrides=[tuple(o) for o in case["overrides"]], pure=case["pure"],
+        overrides=[tuple(o) for o in case["overrides"]], pure=case["pure"], has_imatrix=case.get("imatrix", False),
     )
 
 
@@ -112,8 +115,10 @@ def _silence_llama_cpp(llama_cpp) -> None:
 
 
 def llama_cpp_quantize(inp: str, out: str, file_type: str, overrides=(), pure: bool = False,
-                       nthread: int = 2) -> tuple[dict[str, str], int]:
-    """Run llama.cpp's quantizer; returns ({tensor: type name}, general.file_type)."""
+                       nthread: int = 2, imatrix: bool = False) -> tuple[dict[str, str], int]:
+    """Run llama.cpp's quantizer; returns ({tensor: type name}, general.file_type).  `imatrix`: hand it an
+    importance matrix of ones for every matrix of the input (the types it chooses depend only on whether there
+    is one)."""
     import llama_cpp
 
     _silence_llama_cpp(llama_cpp)
@@ -122,6 +127,21 @@ def llama_cpp_quantize(inp: str, out: str, file_type: str, overrides=(), pure: b
     params.ftype = int(FILE_TYPES[file_type].file_type)
     params.pure = pure
     keep = []
+    if imatrix:
+        reader = GGUFReader(str(inp))
+        entries = [(t.name, int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1))
+                   for t in reader.tensors if len(t.shape) >= 2]
+        del reader
+        arr = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()
+        for i, (name, size) in enumerate(entries):
+            data = np.ones(size, dtype=np.float32)
+            keep += [name.encode(), data]
+            arr[i].name = keep[-2]
+            arr[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = size
+        arr[len(entries)].name = None
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep.append(arr)
     if overrides:
         arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
         for i, (pattern, tname) in enumerate(overrides):
@@ -214,7 +234,8 @@ def test_live_llama_cpp(model_name, tmp_path):
     for case_name in model["results"]:
         case = CASES[case_name]
         types, ftv = llama_cpp_quantize(src, tmp_path / "out.gguf", case["file_type"],
-                                        [tuple(o) for o in case["overrides"]], case["pure"])
+                                        [tuple(o) for o in case["overrides"]], case["pure"],
+                                        imatrix=case.get("imatrix", False))
         live = [types[n] for n, _ in model["tensors"]]
         if live != model["results"][case_name]:
             failures.append(f"{case_name}: llama.cpp no longer matches the recording")
@@ -436,3 +457,62 @@ def test_moe_layer_from_name():
         Q.Q6_K if use_more_bits(i, 8) else Q.Q4_K for i in range(8)]
     with pytest.raises(ValueError, match="layer 9"):
         plan_types(with_bad, "Q4_K_M", n_layer=8, n_head=8, n_head_kv=2, n_expert=8)
+
+
+# file types llama-quantize refuses without an importance matrix (some tensor gets a type that needs one)
+_NEEDS_IMATRIX_TO_RECORD = {"Q2_K_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"}
+
+
+def record(case_names: list[str]) -> None:
+    """Add cases to tests/data/gguf_mixture_expected.json from llama.cpp itself: `python
+    tests/test_gguf_mixtures.py CASE ...`, a case being FILE_TYPE (importance matrix given when the file type
+    needs one) or FILE_TYPE+imatrix."""
+    import tempfile
+
+    data = json.loads(DATA.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in case_names:
+            ftype, _, extra = name.partition("+")
+            case = {"file_type": ftype, "overrides": [], "pure": False}
+            if extra == "imatrix" or ftype in _NEEDS_IMATRIX_TO_RECORD:
+                case["imatrix"] = True
+            data["cases"][name] = case
+            data["general_file_type"][ftype] = int(FILE_TYPES[ftype].file_type)
+            for model_name, model in data["models"].items():
+                src = Path(tmp) / f"{model_name}.gguf"
+                if not src.exists():
+                    write_synthetic_gguf(src, model)
+                types, _ = llama_cpp_quantize(src, Path(tmp) / "out.gguf", ftype, imatrix=case.get("imatrix", False))
+                model["results"][name] = [types[n] for n, _ in model["tensors"]]
+                print(name, model_name, "recorded")
+    DATA.write_text(_layout(data))
+
+
+def _layout(data: dict) -> str:
+    """The recording's layout: one line per top-level entry, model field and result list."""
+    def c(v, sep=(",", ":")):
+        return json.dumps(v, separators=sep)
+    lines = ["{"]
+    top = [k for k in data if k != "models"]
+    for k in top:
+        lines.append(f"  {c(k)}: {c(data[k], (', ', ': '))},")
+    lines.append('  "models": {')
+    for i, (name, model) in enumerate(data["models"].items()):
+        lines.append(f"    {c(name)}: {{")
+        fields = list(model.items())
+        for j, (k, v) in enumerate(fields):
+            if k == "results":
+                lines.append('      "results": {')
+                res = list(v.items())
+                lines += [f"        {c(r)}: {c(t)}" + ("," if n < len(res) - 1 else "") for n, (r, t) in enumerate(res)]
+                lines.append("      }" + ("," if j < len(fields) - 1 else ""))
+            else:
+                lines.append(f"      {c(k)}: {c(v, (',', ':') if k in ('hparams', 'tensors') else (', ', ': '))}"
+                             + ("," if j < len(fields) - 1 else ""))
+        lines.append("    }" + ("," if i < len(data["models"]) - 1 else ""))
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    record(sys.argv[1:])
