@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 
+from quantkit.backends.gguf import llamacpp
+from quantkit.errors import SourceError
 from quantkit.backends.gguf.mixtures import (
     FILE_TYPES,
     TensorChoice,
@@ -122,40 +124,16 @@ def llama_cpp_quantize(inp: str, out: str, file_type: str, overrides=(), pure: b
     import llama_cpp
 
     _silence_llama_cpp(llama_cpp)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = nthread
-    params.ftype = int(FILE_TYPES[file_type].file_type)
-    params.pure = pure
-    keep = []
+    vectors = None
     if imatrix:
         reader = GGUFReader(str(inp))
-        entries = [(t.name, int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1))
-                   for t in reader.tensors if len(t.shape) >= 2]
+        vectors = {t.name: np.ones(int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) > 2 else 1), np.float32)
+                   for t in reader.tensors if len(t.shape) >= 2}
         del reader
-        arr = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()
-        for i, (name, size) in enumerate(entries):
-            data = np.ones(size, dtype=np.float32)
-            keep += [name.encode(), data]
-            arr[i].name = keep[-2]
-            arr[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            arr[i].size = size
-        arr[len(entries)].name = None
-        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
-        keep.append(arr)
-    if overrides:
-        arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
-        for i, (pattern, tname) in enumerate(overrides):
-            pat = pattern.lower().encode()   # llama-quantize lower-cases the pattern
-            keep.append(pat)
-            arr[i].pattern = pat
-            arr[i].type = int(Q[tname.upper()])
-        arr[len(overrides)].pattern = None
-        arr[len(overrides)].type = len(Q)  # any value; a null pattern ends the list
-        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-        keep.append(arr)
-    rc = llama_cpp.llama_model_quantize(str(inp).encode(), str(out).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize failed ({rc}) for {file_type}")
+    try:
+        llamacpp.quantize(inp, out, int(FILE_TYPES[file_type].file_type), nthread, vectors, overrides, pure)
+    except SourceError as e:
+        raise RuntimeError(f"{e} for {file_type}") from None
     reader = GGUFReader(str(out))
     field = reader.fields["general.file_type"]
     ftv = int(field.parts[field.data[0]][0])

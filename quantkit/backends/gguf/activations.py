@@ -54,6 +54,8 @@ VEC_DOT: dict[Q, ActFn | None] = {
     Q.Q4_0: q8_0, Q.Q5_0: q8_0, Q.Q8_0: q8_0, Q.IQ4_NL: q8_0,
     Q.Q4_1: q8_0, Q.Q5_1: q8_0,  # Q8_1: the same codes and fp16 scale (plus a sum term for the minimum)
     Q.Q2_K: q8_k, Q.Q3_K: q8_k, Q.Q4_K: q8_k, Q.Q5_K: q8_k, Q.Q6_K: q8_k, Q.IQ4_XS: q8_k,
+    Q.IQ3_XXS: q8_k, Q.IQ3_S: q8_k, Q.IQ2_XXS: q8_k, Q.IQ2_XS: q8_k, Q.IQ2_S: q8_k, Q.IQ1_S: q8_k, Q.IQ1_M: q8_k,
+    Q.TQ1_0: q8_k, Q.TQ2_0: q8_k,
 }
 
 

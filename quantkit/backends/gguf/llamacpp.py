@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -30,12 +31,37 @@ def available() -> bool:
         return False
 
 
-def quantize(src: Path, dst: Path, file_type: int, threads: int | None = None) -> None:
-    """llama-quantize SRC DST FTYPE (llama.cpp's own quantizer, no importance matrix)."""
+def quantize(src: Path, dst: Path, file_type: int, threads: int | None = None,
+             imatrix: dict[str, np.ndarray] | None = None, overrides=(), pure: bool = False) -> None:
+    """llama-quantize SRC DST FTYPE: llama.cpp's own quantizer, weighted by `imatrix` (GGUF weight name -> the
+    vector llama-quantize reads from an imatrix file) when given; `overrides`: --tensor-type (pattern, type
+    name) pairs, `pure`: --pure."""
+    import ctypes
+
     lc = load_llama_cpp()
     params = lc.llama_model_quantize_default_params()
     params.ftype = int(file_type)
     params.nthread = threads or os.cpu_count() or 1
+    keep = []                                   # the buffers the C side reads, alive until it returns
+    if imatrix:
+        entries = (lc.llama_model_imatrix_data * (len(imatrix) + 1))()
+        for i, (name, vector) in enumerate(imatrix.items()):
+            data = np.ascontiguousarray(vector, dtype=np.float32)
+            keep += [name.encode(), data]
+            entries[i].name, entries[i].size = keep[-2], data.size
+            entries[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[len(imatrix)].name = None       # the list ends at a null name
+        keep.append(entries)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(lc.llama_model_imatrix_data))
+    if overrides:
+        rules = (lc.llama_model_tensor_override * (len(overrides) + 1))()
+        for i, (pattern, type_name) in enumerate(overrides):
+            keep.append(pattern.lower().encode())          # llama-quantize lower-cases the pattern
+            rules[i].pattern, rules[i].type = keep[-1], int(gguf.GGMLQuantizationType[type_name.upper()])
+        rules[len(overrides)].pattern = None               # a null pattern ends the list
+        keep.append(rules)
+        params.tt_overrides = ctypes.cast(rules, ctypes.POINTER(lc.llama_model_tensor_override))
+    params.pure = pure
     rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
         raise SourceError(f"llama.cpp failed to quantize {src} (code {rc})")
