@@ -21,6 +21,7 @@ from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, pass_ram, 
                            statistics_seconds, stream_bytes)
 from ...progress import Progress, null_progress
 from . import encoders, fusion, imatrix_file, mixtures
+from .grid_encoders import NEEDS_IMATRIX
 from .reader import GGUFModel, describe
 from .split import parse_size
 from .tensors import expert_count, gguf_tensors, sliding_layers
@@ -147,7 +148,7 @@ class GGUFBackend(Backend):
         compiled = device.type == "cpu" and fusion.would_compile(fused_n)
         seconds = collect = feedback_pass = feedback_own = 0.0
         if settings.run.estimate_time:      # a dry run: timing the encoders costs a second or two
-            seconds, missing = _estimate_seconds(rows, device, settings.imatrix)
+            seconds, missing = _estimate_seconds(rows, device, weighted)
             seconds += read_seconds(model)
             text = f"{seconds:.0f} s on {device}"
             if compiled and missing:
@@ -355,7 +356,7 @@ def _estimate_seconds(rows, device: torch.device, imatrix: bool) -> tuple[float,
         qtype = gguf.GGMLQuantizationType[kind]
         width = 256 if gguf.GGML_QUANT_SIZES[qtype][0] <= 256 else gguf.GGML_QUANT_SIZES[qtype][0]
         x = torch.randn(256, width * 16, device=device)     # one chunk
-        weights = torch.rand(width * 16, device=device) + 0.1 if weighted else None
+        weights = torch.rand(width * 16, device=device) + 0.1 if weighted or qtype in NEEDS_IMATRIX else None
         # the first call on a full chunk is paid once, not per weight: set-up, and a built kernel's first use,
         # which runs the eager function beside it to check that the bytes agree (2x on the synthetic model)
         t0 = time.perf_counter()

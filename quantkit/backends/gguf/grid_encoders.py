@@ -327,6 +327,6 @@ GRID_ENCODERS = {
     QT.IQ3_XXS: (_enc_iq3_xxs, 8, False),
     QT.IQ3_S: (_enc_iq3_s, 8, False),
     QT.IQ2_XXS: (_enc_iq2_xxs, 8, False),
-    QT.IQ2_XS: (_enc_iq2_xs, 8, False),
+    QT.IQ2_XS: (_enc_iq2_xs, 32, False),        # its long neighbour lists: smaller chunks stay in cache
     QT.IQ2_S: (_enc_iq2_s, 8, False),
 }
