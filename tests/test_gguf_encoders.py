@@ -23,6 +23,7 @@ for _p in (_ROOT, _HERE):
 
 from quantkit.backends.gguf.encoders import SUPPORTED, dequantize, quantize  # noqa: E402
 from quantkit.backends.gguf.grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX  # noqa: E402
+from quantkit.backends.gguf.iq1_encoders import IQ1_ENCODERS  # noqa: E402
 
 try:  # tests/ may or may not be a package
     from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
@@ -146,7 +147,7 @@ def test_types_that_ignore_the_imatrix(qtype):
 
 
 @needs_ref
-@pytest.mark.parametrize("qtype", sorted(GRID_ENCODERS, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", sorted({**GRID_ENCODERS, **IQ1_ENCODERS}, key=int), ids=lambda t: t.name)
 def test_lattice_types_on_a_model_sized_tensor(qtype):
     """Rows of 2048 (8 super-blocks), enough rows that every neighbour-list length and tie occurs."""
     g = np.random.default_rng(21)
@@ -212,8 +213,8 @@ _RTOL = {
     QT.F32: 0.0, QT.F16: 1e-3, QT.BF16: 5e-3, QT.Q8_0: 0.01,
     QT.Q6_K: 0.03, QT.Q5_K: 0.06, QT.Q5_0: 0.07, QT.Q5_1: 0.06,
     QT.Q4_K: 0.11, QT.Q4_0: 0.13, QT.Q4_1: 0.12, QT.IQ4_NL: 0.11, QT.IQ4_XS: 0.11,
-    QT.Q3_K: 0.22, QT.Q2_K: 0.42, QT.IQ3_S: 0.15, QT.IQ3_XXS: 0.19, QT.IQ2_S: 0.27, QT.IQ2_XS: 0.32,
-    QT.IQ2_XXS: 0.36,
+    QT.Q3_K: 0.22, QT.Q2_K: 0.42, QT.IQ3_S: 0.18, QT.IQ3_XXS: 0.23, QT.IQ2_S: 0.28, QT.IQ2_XS: 0.32,
+    QT.IQ2_XXS: 0.36, QT.IQ1_M: 0.62, QT.IQ1_S: 0.52,
     # ternary types are made for ternary-trained weights; on gaussian data they keep only the signs of the largest
     QT.TQ1_0: 0.82, QT.TQ2_0: 0.82,
 }
@@ -257,4 +258,4 @@ def test_supported_set():
     assert SUPPORTED == frozenset({
         QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
         QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0,
-        QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S})
+        QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S, QT.IQ1_M})

@@ -18,8 +18,8 @@ from quantkit.model.source import open_model
 needs_llama_cpp = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python not installed")
 OPTS = {"tokenizer_pre": "gpt-2", "device": "cpu"}
 # every new file type whose tensors all have lattice, ternary or K-quant types on this model's rows of 256
-FILE_TYPES = ["IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "Q2_K_S", "TQ1_0",
-              "TQ2_0"]
+FILE_TYPES = ["IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+              "Q2_K_S", "TQ1_0", "TQ2_0"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_same_bytes_as_llama_quantize_with_the_same_matrix(tiny_gguf_source, mat
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("file_type", ["IQ2_M", "IQ3_XXS", "TQ2_0"])
+@pytest.mark.parametrize("file_type", ["IQ2_M", "IQ3_XXS", "IQ1_M", "TQ2_0"])
 def test_runs_in_llama_cpp_with_the_logits_of_quantkits_reader(tiny_gguf_source, matrix_file, tmp_path, file_type):
     """The random model's logits are nearly flat, so a few top-1 flips are expected; a wrong decoding of any
     type would put the mean difference near the logits' spread, not at a few hundredths of it."""

@@ -54,6 +54,7 @@ from .exact import (_div, _recip, _nearest_int, _ni, _round_ni, _any_big, _clamp
     _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND)
 from .fusion import fused, padded_columns
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
+from .iq1_encoders import IQ1_ENCODERS
 from .qp_search import make_qp_quants as _make_qp_quants
 
 __all__ = ["quantize", "dequantize", "with_codes", "SUPPORTED", "FUSED_TYPES", "CODE_LAYOUTS"]
@@ -63,7 +64,7 @@ QT = GGMLQuantizationType
 SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0,
-}) | frozenset(GRID_ENCODERS)
+}) | frozenset(GRID_ENCODERS) | frozenset(IQ1_ENCODERS)
 
 # types whose encoders run fused kernels on the CPU (see fusion.py)
 FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
@@ -930,6 +931,7 @@ _ENCODERS = {
     QT.TQ1_0: (_enc_tq1_0, 1, False),
     QT.TQ2_0: (_enc_tq2_0, 1, False),
     **GRID_ENCODERS,
+    **IQ1_ENCODERS,
 }
 # Where each type's codes sit in its block and how they are packed, for writers that choose codes themselves on
 # a block's own scales (feedback.py): the bytes [start, end) of a block hold pack(codes), codes (block size, nb)

@@ -37,7 +37,7 @@ from .exact import _div, _f16_bytes, _nearest_int, _recip, _seqsum, _sqrt, _sub
 from .grids import GridTables, grid_tables
 from .qp_search import make_qp_quants
 
-__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX"]
+__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "best_neighbour"]
 
 QT = GGMLQuantizationType
 _F32 = torch.float32
@@ -72,16 +72,18 @@ _LATTICES = {
     QT.IQ2_S: _Lattice(QT.IQ2_S, 16, 3, 9, 0.1, False, 1e-8, 2.0, "sigma/4+x2", False, True, False, 0.9875),
 }
 # ggml-quants.c asserts on a missing importance matrix for these
-NEEDS_IMATRIX = frozenset(t for t, p in _LATTICES.items() if p.plain is None)
+NEEDS_IMATRIX = frozenset(t for t, p in _LATTICES.items() if p.plain is None) | {QT.IQ1_S}
 
 
-def _best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
-                    scale: torch.Tensor) -> torch.Tensor:
-    """iq2/iq3_find_best_neighbour for off-grid groups: u (g,), xval / waux (g, dim), scale (g,) -> grid index
-    (g,): the first candidate of u's list with the smallest Σ waux·(scale·q - x)², summed in position order.
+def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
+                   scale: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+    """iq2/iq3_find_best_neighbour (and IQ1's iq1_find_best_neighbour2) for off-grid groups: u (g,), xval /
+    waux (g, dim), scale (g,) -> grid index (g,): the first candidate of u's list with the smallest
+    Σ waux·(scale·q - x)², summed in position order, q the value of the candidate's level (the odd integer
+    2l + 1, or per group `values` (g, 2**bits)).
 
     The lists are ragged, so every (group, candidate) pair is one lane.  A pair's terms come from a per-group
-    table of waux·(scale·v - x)² for each position and each odd level value v: the same float32 operations as
+    table of waux·(scale·v - x)² for each position and each level value v: the same float32 operations as
     the C's, computed once per group rather than once per candidate."""
     g, dim = xval.shape
     rows = tab.row_of[u]
@@ -90,10 +92,11 @@ def _best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: 
     first_pair = torch.cumsum(count, 0) - count
     within = torch.arange(pair_group.numel(), device=u.device) - first_pair[pair_group]
     cand = tab.flat[tab.start[rows][pair_group] + within]
-    values = torch.arange(1, 2 * (1 << tab.bits), 2, device=u.device, dtype=_F32)        # 2l + 1
-    diff = scale.view(g, 1, 1) * values.view(1, 1, -1) - xval.unsqueeze(2)              # (g, dim, levels)
+    if values is None:
+        values = torch.arange(1, 2 * (1 << tab.bits), 2, device=u.device, dtype=_F32).expand(g, -1)  # 2l + 1
+    diff = scale.view(g, 1, 1) * values.unsqueeze(1) - xval.unsqueeze(2)                # (g, dim, levels)
     terms = (waux.unsqueeze(2) * diff * diff).reshape(-1)
-    idx = tab.term_offset.index_select(0, cand) + (pair_group * (dim * values.numel())).unsqueeze(1)
+    idx = tab.term_offset.index_select(0, cand) + (pair_group * (dim << tab.bits)).unsqueeze(1)
     v = torch.take(terms, idx)                                                            # (pairs, dim)
     d2 = v[:, 0]
     for i in range(1, dim):
@@ -121,7 +124,7 @@ def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Ten
     off = ~on
     if bool(off.any()):
         sc = scale.unsqueeze(0).expand(sub // dim, m)[off]
-        best = _best_neighbour(tab, u[off], grouped(xval)[off], grouped(waux)[off], sc)
+        best = best_neighbour(tab, u[off], grouped(xval)[off], grouped(waux)[off], sc)
         Lg = Lg.clone()
         Lg[off] = tab.levels[best.long()]
     return Lg.permute(0, 2, 1).reshape(sub, m), on

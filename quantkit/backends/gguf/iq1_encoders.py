@@ -1,0 +1,278 @@
+"""Encoders of llama.cpp's 1.56 / 1.75-bit types IQ1_S and IQ1_M, byte-identical to ggml-quants.c, vectorized.
+
+Both store each group of 8 weights as a point of a 2048-point grid of the three values -1, 0, 1, shifted by
+±delta (delta = 1/8): x ≈ s·(v ± delta).  llama.cpp's search, per sub-block (32 values for IQ1_S, 16 for IQ1_M):
+
+1. weights qw·sqrt(σ² + x²), σ² = 2·Σx²/256 over the super-block (IQ1_M without a matrix: x²);
+2. the exact split: with the values sorted, every pair of cut points (i1 ≤ i2) puts the lowest values on -1,
+   the middle on 0 and the top on +1; for each split and each shift (IQ1_S: the sub-block's +delta or -delta;
+   IQ1_M: one shift per group of 8, four combinations) the least-squares scale Σwxq / Σwq² is scored by
+   (Σwxq)² / Σwq², and a candidate strictly better than all before it, in llama.cpp's order, wins;
+3. groups whose levels are no grid point take the candidate of their neighbour list nearest in the weighted
+   distance at that scale (grids.py), and the scale is refitted if any did;
+4. 3-bit sub-block scales under a fp16 super-block scale (IQ1_S: d = max/15 stored ×1.125; IQ1_M: d refitted
+   by least squares on the final codes, stored ×1.1125 in the top nibbles of the four scale words).
+
+Step 2's order matters only at near-ties, and those are rare: the float64 score of every candidate is
+computed at once, and only the candidates within 1e-4 of the best score before them (which a float32
+comparison could accept) are replayed in order with llama.cpp's float32 test.  The sort keeps equal values in
+index order, like glibc's merge-sort qsort.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from .exact import _div, _f16_bytes, _nearest_int, _recip, _seqsum, _sqrt, _sub
+from .grid_encoders import best_neighbour
+from .grids import grid_tables
+
+__all__ = ["IQ1_ENCODERS"]
+
+QT = GGMLQuantizationType
+_F32 = torch.float32
+_DELTA = 0.125
+_X_P = (-1 + _DELTA, _DELTA, 1 + _DELTA)      # exact in float32
+_X_M = (-1 - _DELTA, -_DELTA, 1 - _DELTA)
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+def _splits(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """All cut pairs (i1, i2), 0 <= i1 <= i2 <= n, in llama.cpp's loop order."""
+    i1, i2 = torch.triu_indices(n + 1, n + 1, device=device)
+    return i1, i2
+
+
+def _replay(sumqx: torch.Tensor, sumq2: torch.Tensor):
+    """llama.cpp's running pick over candidates (C, m) in order: a candidate with Σwq² > 0 and
+    (Σwxq)² > best·Σwq² sets scale = Σwxq / Σwq², best = scale·Σwxq.  -> (chosen candidate or -1, scale)."""
+    C, m = sumqx.shape
+    valid = sumq2 > 0
+    qx, q2 = sumqx.double(), sumq2.double()
+    score = torch.where(valid, qx * qx / torch.where(valid, q2, torch.ones_like(q2)), torch.full_like(qx, -np.inf))
+    before = torch.empty_like(score)                   # the best score of the candidates before each one
+    running = torch.full_like(score[0], -np.inf)
+    for c in range(C):
+        before[c] = running
+        torch.maximum(running, score[c], out=running)
+    possible = valid & (score >= before - 1e-4 * before.abs())
+    # each column's possible candidates in order, as rows of `order` (padded with C)
+    cand, col = possible.nonzero(as_tuple=True)          # row-major: candidates ascending
+    keep = torch.argsort(col, stable=True)
+    cand, col = cand[keep], col[keep]
+    counts = torch.bincount(col, minlength=m)
+    rank = torch.arange(col.numel(), device=col.device) - (torch.cumsum(counts, 0) - counts)[col]
+    order = torch.full((int(counts.max().item()) if col.numel() else 0, m), C, dtype=torch.int64,
+                       device=sumqx.device)
+    order[rank, col] = cand
+    chosen = torch.full((m,), -1, dtype=torch.int64, device=sumqx.device)
+    scale = torch.zeros(m, dtype=_F32, device=sumqx.device)
+    best = torch.full((m,), -float(np.finfo(np.float32).max), dtype=_F32, device=sumqx.device)
+    for row in order:
+        ok = row < C
+        c = row.clamp(max=C - 1).unsqueeze(0)
+        a, b = sumqx.gather(0, c).squeeze(0), sumq2.gather(0, c).squeeze(0)
+        take = ok & (b > 0) & (a * a > best * b)
+        scale = torch.where(take, _div(a, b), scale)
+        best = torch.where(take, scale * a, best)
+        chosen = torch.where(take, row, chosen)
+    return chosen, scale
+
+
+def _levels_from_split(idx: torch.Tensor, i1: torch.Tensor, i2: torch.Tensor) -> torch.Tensor:
+    """Sorted order idx (n, m) and cut points (m,) -> levels (n, m): sorted positions below i1 on 0, below i2
+    on 1, the rest on 2."""
+    n = idx.shape[0]
+    rank = torch.arange(n, device=idx.device).unsqueeze(1)
+    lev_sorted = (rank >= i1.unsqueeze(0)).long() + (rank >= i2.unsqueeze(0)).long()
+    return torch.empty_like(lev_sorted).scatter_(0, idx, lev_sorted)
+
+
+def _snap(L, x, w, scale, shift_p, tab):
+    """Off-grid groups of 8 (levels L (n, m)) take their best neighbour (iq1_find_best_neighbour2) at `scale`
+    with level values x_p or x_m (shift_p (n/8, m)) -> (grid index (n/8, m), all on grid (m,))."""
+    n, m = L.shape
+    G = L.view(n // 8, 8, m).permute(0, 2, 1)                        # (groups, m, 8)
+    u = tab.index(G)
+    gi = tab.index_of[u.long()].long()
+    off = gi < 0
+    if bool(off.any()):
+        xp = torch.tensor(_X_P + (0.0,), device=x.device)
+        xm = torch.tensor(_X_M + (0.0,), device=x.device)
+        values = torch.where(shift_p[off].unsqueeze(1), xp, xm)
+        grouped = lambda t: t.view(n // 8, 8, m).permute(0, 2, 1)[off]   # noqa: E731
+        sc = scale.unsqueeze(0).expand(n // 8, m)[off]
+        gi[off] = best_neighbour(tab, u[off], grouped(x), grouped(w), sc, values).long()
+    return gi, ~off.any(0)
+
+
+def _refit(gi, x, w, shift_p, tab, scale):
+    """Σwqx / Σwq² over a sub-block with the final grid points (q the shifted level value), sequential."""
+    n, m = x.shape
+    lev = tab.levels[gi.view(-1)].view(n // 8, m, 8).permute(0, 2, 1).reshape(n, m).long()
+    xp = torch.tensor(_X_P, device=x.device)
+    xm = torch.tensor(_X_M, device=x.device)
+    sp = shift_p.repeat_interleave(8, 0)
+    q = torch.where(sp, xp[lev], xm[lev])
+    sumqx, sumq2 = _seqsum(w * q * x), _seqsum(w * q * q)
+    return torch.where((sumqx > 0) & (sumq2 > 0), _div(sumqx, sumq2), scale)
+
+
+def _weights(x, qw):
+    sigma2 = _div(2.0 * _seqsum(x * x), 256.0)
+    return x * x if qw is None else qw * _sqrt(sigma2.unsqueeze(0) + x * x)
+
+
+def _sorted_prefix(xs, w):
+    """Values sorted (stable), their order, and the running sums of w·x and w over them (sequential)."""
+    vals, idx = torch.sort(xs, dim=0, stable=True)
+    ws = w.gather(0, idx)
+    n, m = xs.shape
+    sx = [torch.zeros(m, dtype=_F32, device=xs.device)]
+    sw = [torch.zeros(m, dtype=_F32, device=xs.device)]
+    for j in range(n):
+        sx.append(sx[-1] + ws[j] * vals[j])
+        sw.append(sw[-1] + ws[j])
+    return idx, torch.stack(sx), torch.stack(sw)
+
+
+def _enc_iq1_s(x, qw, ctx):
+    nb = x.shape[1]
+    dev = x.device
+    tab = grid_tables(QT.IQ1_S).to(dev)
+    w = _sub(_weights(x, qw), 32)
+    xs = _sub(x, 32)                                                  # (32, m), m = 8·nb
+    m = xs.shape[1]
+    active = xs.abs().amax(0) >= _f32(1e-12)
+    idx, sx, sw = _sorted_prefix(xs, w)
+    i1, i2 = _splits(32, dev)
+    cand_qx, cand_q2 = [], []
+    for xv in (_X_P, _X_M):
+        a, b, c = sx[i1] - sx[0], sx[i2] - sx[i1], sx[32] - sx[i2]
+        aw, bw, cw = sw[i1] - sw[0], sw[i2] - sw[i1], sw[32] - sw[i2]
+        cand_qx.append(a * xv[0] + b * xv[1] + c * xv[2])
+        cand_q2.append(aw * xv[0] * xv[0] + bw * xv[1] * xv[1] + cw * xv[2] * xv[2])
+    # llama.cpp tries x_p then x_m for each split
+    sumqx = torch.stack(cand_qx, 1).reshape(-1, m)
+    sumq2 = torch.stack(cand_q2, 1).reshape(-1, m)
+    chosen, scale = _replay(sumqx, sumq2)
+    active &= chosen >= 0
+    pair = chosen.clamp(min=0) // 2
+    shift_p = (chosen % 2 == 0)
+    L = _levels_from_split(idx, i1[pair], i2[pair])
+    neg = scale < 0
+    L = torch.where(neg.unsqueeze(0), 2 - L, L)
+    scale = scale.abs()
+    shift_p = shift_p ^ neg
+    sp_groups = shift_p.unsqueeze(0).expand(4, m)
+    gi, on = _snap(L, xs, w, scale, sp_groups, tab)
+    scale = torch.where(on, scale, _refit(gi, xs, w, sp_groups, tab, scale))
+    gi = gi.masked_fill(~active.unsqueeze(0), 0)
+    scale = scale.masked_fill(~active, 0)
+    shift_p = shift_p | ~active                                       # skipped sub-blocks keep shift +1
+
+    scales = scale.view(8, nb)
+    max_scale = scales.amax(0)
+    d = _div(max_scale, 15.0)
+    ls = _nearest_int(0.5 * (_recip(d).unsqueeze(0) * scales - 1.0)).clamp(0, 7).long()
+    ls = ls | torch.where(shift_p.view(8, nb), 0, 8)
+    gi = gi.view(4, 8, nb)                                            # [group k, sub-block j, b]
+    h = ((gi >> 8) << (3 * torch.arange(4, device=dev).view(4, 1, 1))).sum(0)
+    qh = h | torch.where((max_scale > 0).unsqueeze(0), ls << 12, 0)
+    dh = _f16_bytes(d * _f32(1.125)).long().masked_fill((max_scale == 0).unsqueeze(0), 0)
+    qs = (gi & 255).permute(1, 0, 2).reshape(32, nb)
+    return torch.cat([dh, qs, torch.stack([qh & 255, qh >> 8], 1).reshape(16, nb)])
+
+
+_MASKS = (0x00, 0x80, 0x08, 0x88)
+
+
+def _enc_iq1_m(x, qw, ctx):
+    nb = x.shape[1]
+    dev = x.device
+    tab = grid_tables(QT.IQ1_M).to(dev)
+    w = _sub(_weights(x, qw), 16)
+    xs = _sub(x, 16)                                                  # (16, m), m = 16·nb
+    m = xs.shape[1]
+    active = xs.abs().amax(0) >= _f32(1e-7)
+    vals, idx = torch.sort(xs, dim=0, stable=True)
+    ws = w.gather(0, idx)
+    half = (idx >= 8)                                                 # which group of 8 each sorted value is in
+    px = [[torch.zeros(m, dtype=_F32, device=dev)] for _ in range(2)]
+    pw = [[torch.zeros(m, dtype=_F32, device=dev)] for _ in range(2)]
+    for j in range(16):
+        for h in range(2):
+            mine = half[j] == bool(h)
+            px[h].append(torch.where(mine, px[h][-1] + ws[j] * vals[j], px[h][-1]))
+            pw[h].append(torch.where(mine, pw[h][-1] + ws[j], pw[h][-1]))
+    px = [torch.stack(p) for p in px]
+    pw = [torch.stack(p) for p in pw]
+    p2, m2 = _X_P[2], _X_M[2]
+    cp1 = _f32(np.float32(_X_P[0]) * np.float32(_X_P[0]) - np.float32(_X_P[1]) * np.float32(_X_P[1]))
+    cp2 = _f32(np.float32(_X_P[1]) * np.float32(_X_P[1]) - np.float32(_X_P[2]) * np.float32(_X_P[2]))
+    cm1 = _f32(np.float32(_X_M[0]) * np.float32(_X_M[0]) - np.float32(_X_M[1]) * np.float32(_X_M[1]))
+    cm2 = _f32(np.float32(_X_M[1]) * np.float32(_X_M[1]) - np.float32(_X_M[2]) * np.float32(_X_M[2]))
+    i1, i2 = _splits(16, dev)
+    qxp, qxm, q2p, q2m = [], [], [], []
+    for h in range(2):
+        sx = px[h][i1] + px[h][i2]
+        txs, tws = px[h][16].unsqueeze(0), pw[h][16].unsqueeze(0)
+        qxp.append(txs * p2 - sx)
+        qxm.append(txs * m2 - sx)
+        q2p.append(tws * p2 * p2 + pw[h][i1] * cp1 + pw[h][i2] * cp2)
+        q2m.append(tws * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2)
+    # k = 0: (+, +), 1: (+, -), 2: (-, +), 3: (-, -) for the two groups; llama.cpp tries k in order per split
+    sumqx = torch.stack([qxp[0] + qxp[1], qxp[0] + qxm[1], qxm[0] + qxp[1], qxm[0] + qxm[1]], 1).reshape(-1, m)
+    sumq2 = torch.stack([q2p[0] + q2p[1], q2p[0] + q2m[1], q2m[0] + q2p[1], q2m[0] + q2m[1]], 1).reshape(-1, m)
+    chosen, scale = _replay(sumqx, sumq2)
+    active &= chosen >= 0
+    pair, k = chosen.clamp(min=0) // 4, chosen.clamp(min=0) % 4
+    L = _levels_from_split(idx, i1[pair], i2[pair])
+    neg = scale < 0
+    L = torch.where(neg.unsqueeze(0), 2 - L, L)
+    scale = scale.abs()
+    k = torch.where(neg, 3 - k, k)
+    shift_p = torch.stack([k < 2, k % 2 == 0])                          # (2 groups, m)
+    gi, on = _snap(L, xs, w, scale, shift_p, tab)
+    scale = torch.where(on, scale, _refit(gi, xs, w, shift_p, tab, scale))
+    gi = gi.masked_fill(~active.unsqueeze(0), 0)
+    scale = scale.masked_fill(~active, 0)
+    k = k.masked_fill(~active, 0)
+
+    scales = scale.view(16, nb)
+    max_scale = scales.amax(0)
+    d = _div(max_scale, 15.0)
+    ls = _nearest_int(0.5 * (_recip(d).unsqueeze(0) * scales - 1.0)).clamp(0, 7).long()   # (16, nb)
+    gi = gi.view(2, 16, nb)
+    masks = torch.tensor(_MASKS, device=dev)[k].view(16, nb)
+    qh = (gi[0] >> 8) | ((gi[1] >> 8) << 4)
+    # the final d: least squares over the whole super-block on the codes as stored (sub-blocks left zero take
+    # grid point 0 and the + shift), position order
+    kk = k.view(16, nb)
+    sp = torch.stack([kk < 2, kk % 2 == 0]).permute(1, 0, 2).repeat_interleave(8, 1).reshape(256, nb)
+    lev = tab.levels[gi.permute(1, 0, 2).reshape(32, nb).view(-1)].view(32, nb, 8).permute(0, 2, 1).reshape(256, nb)
+    xp, xm = torch.tensor(_X_P, device=dev), torch.tensor(_X_M, device=dev)
+    q = torch.where(sp, xp[lev.long()], xm[lev.long()]) * (2 * ls + 1).to(_F32).repeat_interleave(16, 0)
+    wf = _weights(x, qw)
+    sumqx, sumq2 = _seqsum(wf * q * x), _seqsum(wf * q * q)
+    d = torch.where(sumq2 > 0, _div(sumqx, sumq2), d)
+    u16 = _f16_bytes(d * _f32(1.1125)).long()
+    u16 = u16[0] | (u16[1] << 8)
+    sc = (ls.view(4, 4, nb) << (3 * torch.arange(4, device=dev).view(1, 4, 1))).sum(1)  # (4 words, nb)
+    sc = sc | (((u16 >> (4 * torch.arange(4, device=dev).view(4, 1))) & 0xF) << 12)
+    empty = (max_scale == 0).unsqueeze(0)
+    sc = sc.masked_fill(empty, 0)
+    qh = torch.where(empty, qh, qh | masks)
+    qs = (gi & 255).permute(1, 0, 2).reshape(32, nb)
+    return torch.cat([qs, qh, torch.stack([sc & 255, sc >> 8], 1).reshape(8, nb)])
+
+
+IQ1_ENCODERS = {
+    QT.IQ1_S: (_enc_iq1_s, 8, False),
+    QT.IQ1_M: (_enc_iq1_m, 8, False),
+}
