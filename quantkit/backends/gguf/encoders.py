@@ -50,7 +50,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
-from .exact import (_div, _recip, _nearest_int, _ni, _round_ni, _any_big, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
+from .exact import (_div, _recip, _nearest_int, _ni, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
     _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND)
 from .fusion import fused, padded_columns
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
