@@ -141,14 +141,32 @@ def _sorted_prefix(xs, w):
     return idx, torch.stack(sx), torch.stack(sw)
 
 
+def _subblocks(x, qw, qtype, sub: int, eps: float):
+    """(grid tables, weights and values as (sub, m) sub-blocks, the sub-blocks searched: largest |x| >= eps)."""
+    w = _sub(_weights(x, qw), sub)
+    xs = _sub(x, sub)
+    return grid_tables(qtype).to(x.device), w, xs, xs.abs().amax(0) >= _f32(eps)
+
+
+def _placed(idx, cut1, cut2, scale):
+    """Step 2's winner as levels (sub, m) and a non-negative scale; flipped: where the scale was negative."""
+    L = _levels_from_split(idx, cut1, cut2)
+    flipped = scale < 0
+    return torch.where(flipped.unsqueeze(0), 2 - L, L), scale.abs(), flipped
+
+
+def _on_grid(L, xs, w, scale, shift_p, tab, active):
+    """Step 3, and the sub-blocks left zero: (grid index (groups, m), scale (m,))."""
+    gi, on = _snap(L, xs, w, scale, shift_p, tab)
+    scale = torch.where(on, scale, _refit(gi, xs, w, shift_p, tab, scale))
+    return gi.masked_fill(~active.unsqueeze(0), 0), scale.masked_fill(~active, 0)
+
+
 def _enc_iq1_s(x, qw, ctx):
     nb = x.shape[1]
     dev = x.device
-    tab = grid_tables(QT.IQ1_S).to(dev)
-    w = _sub(_weights(x, qw), 32)
-    xs = _sub(x, 32)                                                  # (32, m), m = 8·nb
+    tab, w, xs, active = _subblocks(x, qw, QT.IQ1_S, 32, 1e-12)       # (32, m), m = 8·nb
     m = xs.shape[1]
-    active = xs.abs().amax(0) >= _f32(1e-12)
     idx, sx, sw = _sorted_prefix(xs, w)
     i1, i2 = _splits(32, dev)
     cand_qx, cand_q2 = [], []
@@ -163,17 +181,9 @@ def _enc_iq1_s(x, qw, ctx):
     chosen, scale = _replay(sumqx, sumq2)
     active &= chosen >= 0
     pair = chosen.clamp(min=0) // 2
-    shift_p = (chosen % 2 == 0)
-    L = _levels_from_split(idx, i1[pair], i2[pair])
-    neg = scale < 0
-    L = torch.where(neg.unsqueeze(0), 2 - L, L)
-    scale = scale.abs()
-    shift_p = shift_p ^ neg
-    sp_groups = shift_p.unsqueeze(0).expand(4, m)
-    gi, on = _snap(L, xs, w, scale, sp_groups, tab)
-    scale = torch.where(on, scale, _refit(gi, xs, w, sp_groups, tab, scale))
-    gi = gi.masked_fill(~active.unsqueeze(0), 0)
-    scale = scale.masked_fill(~active, 0)
+    L, scale, flipped = _placed(idx, i1[pair], i2[pair], scale)
+    shift_p = (chosen % 2 == 0) ^ flipped
+    gi, scale = _on_grid(L, xs, w, scale, shift_p.unsqueeze(0).expand(4, m), tab, active)
     shift_p = shift_p | ~active                                       # skipped sub-blocks keep shift +1
 
     scales = scale.view(8, nb)
@@ -195,11 +205,8 @@ _MASKS = (0x00, 0x80, 0x08, 0x88)
 def _enc_iq1_m(x, qw, ctx):
     nb = x.shape[1]
     dev = x.device
-    tab = grid_tables(QT.IQ1_M).to(dev)
-    w = _sub(_weights(x, qw), 16)
-    xs = _sub(x, 16)                                                  # (16, m), m = 16·nb
+    tab, w, xs, active = _subblocks(x, qw, QT.IQ1_M, 16, 1e-7)        # (16, m), m = 16·nb
     m = xs.shape[1]
-    active = xs.abs().amax(0) >= _f32(1e-7)
     vals, idx = torch.sort(xs, dim=0, stable=True)
     ws = w.gather(0, idx)
     half = (idx >= 8)                                                 # which group of 8 each sorted value is in
@@ -232,16 +239,9 @@ def _enc_iq1_m(x, qw, ctx):
     chosen, scale = _replay(sumqx, sumq2)
     active &= chosen >= 0
     pair, k = chosen.clamp(min=0) // 4, chosen.clamp(min=0) % 4
-    L = _levels_from_split(idx, i1[pair], i2[pair])
-    neg = scale < 0
-    L = torch.where(neg.unsqueeze(0), 2 - L, L)
-    scale = scale.abs()
-    k = torch.where(neg, 3 - k, k)
-    shift_p = torch.stack([k < 2, k % 2 == 0])                          # (2 groups, m)
-    gi, on = _snap(L, xs, w, scale, shift_p, tab)
-    scale = torch.where(on, scale, _refit(gi, xs, w, shift_p, tab, scale))
-    gi = gi.masked_fill(~active.unsqueeze(0), 0)
-    scale = scale.masked_fill(~active, 0)
+    L, scale, flipped = _placed(idx, i1[pair], i2[pair], scale)
+    k = torch.where(flipped, 3 - k, k)
+    gi, scale = _on_grid(L, xs, w, scale, torch.stack([k < 2, k % 2 == 0]), tab, active)   # shifts of 2 groups
     k = k.masked_fill(~active, 0)
 
     scales = scale.view(16, nb)
