@@ -83,9 +83,9 @@ def _nearest_lanes(x, w, s, values, rows, offsets, start, count, flat):
     n_lev = values.shape[0]
     count_g = count[rows]
     pair_group = torch.repeat_interleave(torch.arange(g, device=x.device), count_g)
-    first_pair = torch.cumsum(count_g, 0) - count_g
-    within = torch.arange(pair_group.numel(), device=x.device) - first_pair[pair_group]
-    cand = flat[start[rows][pair_group] + within]
+    lane = torch.arange(pair_group.numel(), device=x.device)
+    # a lane's place in the flat lists: its list's start + (lane - the group's first lane)
+    cand = flat[(start[rows] - (torch.cumsum(count_g, 0) - count_g))[pair_group] + lane]
     diff = s.view(g, 1, 1) * values.t().unsqueeze(1) - x.t().unsqueeze(2)                 # (g, dim, levels)
     terms = (w.t().unsqueeze(2) * diff * diff).reshape(-1)
     v = torch.take(terms, offsets.index_select(0, cand) + (pair_group * (dim * n_lev)).unsqueeze(1))  # (pairs, dim)
@@ -94,7 +94,6 @@ def _nearest_lanes(x, w, s, values, rows, offsets, start, count, flat):
         d2 = d2 + v[:, i]
     least = torch.full((g,), float("inf"), device=x.device).scatter_reduce(0, pair_group, d2, "amin")
     hit = d2 == least[pair_group]
-    lane = torch.arange(d2.numel(), device=x.device)
     first = torch.full((g,), d2.numel(), device=x.device, dtype=torch.int64).scatter_reduce(
         0, pair_group[hit], lane[hit], "amin")
     return cand[first]
@@ -130,12 +129,14 @@ def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Ten
     Lg = grouped(lv)
     u = tab.index(Lg)
     on = tab.index_of[u.long()] >= 0
-    off = ~on
-    if bool(off.any()):
-        sc = scale.unsqueeze(0).expand(sub // dim, m)[off]
-        best = best_neighbour(tab, u[off], grouped(xval)[off], grouped(waux)[off], sc)
-        Lg = Lg.clone()
-        Lg[off] = tab.levels[best.long()]
+    sel = (~on).view(-1).nonzero().squeeze(1)                       # off-grid groups, as group·m + column
+    if sel.numel():
+        def lanes(t):                                               # (sub, m) -> (dim, off-grid groups)
+            return t.view(sub // dim, dim, m).permute(1, 0, 2).reshape(dim, -1).index_select(1, sel)
+        best = _nearest_lanes(lanes(xval), lanes(waux), scale.index_select(0, sel % m), tab.odd.new_tensor(
+            range(1, 2 << tab.bits, 2)).unsqueeze(1).expand(-1, sel.numel()), tab.row_of[u.view(-1)[sel]],
+            tab.term_offset, tab.start, tab.count, tab.flat)
+        Lg = Lg.reshape(-1, dim).index_copy(0, sel, tab.levels[best]).view(sub // dim, m, dim)
     return Lg.permute(0, 2, 1).reshape(sub, m), on
 
 
