@@ -132,7 +132,7 @@ def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Ten
     sel = (~on).view(-1).nonzero().squeeze(1)                       # off-grid groups, as group·m + column
     if sel.numel():
         def lanes(t):                                               # (sub, m) -> (dim, off-grid groups)
-            return t.view(sub // dim, dim, m).permute(1, 0, 2).reshape(dim, -1).index_select(1, sel)
+            return grouped(t).reshape(-1, dim).index_select(0, sel).t()   # rows: dim-1 gathers are slow
         best = _nearest_lanes(lanes(xval), lanes(waux), scale.index_select(0, sel % m), tab.odd.new_tensor(
             range(1, 2 << tab.bits, 2)).unsqueeze(1).expand(-1, sel.numel()), tab.row_of[u.view(-1)[sel]],
             tab.term_offset, tab.start, tab.count, tab.flat)
