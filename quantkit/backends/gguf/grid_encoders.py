@@ -102,19 +102,19 @@ def _nearest_lanes(x, w, s, values, rows, offsets, start, count, flat):
 def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
                    scale: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """iq2/iq3_find_best_neighbour (and IQ1's iq1_find_best_neighbour2) for off-grid groups: u (g,), xval /
-    waux (g, dim), scale (g,) -> grid index (g,): the first candidate of u's list with the smallest
+    waux (dim, g), scale (g,) -> grid index (g,): the first candidate of u's list with the smallest
     Σ waux·(scale·q - x)², summed in position order, q the value of the candidate's level (the odd integer
-    2l + 1, or per group `values` (g, 2**bits)).
+    2l + 1, or per group `values` (2**bits, g)).
 
     The lists are ragged (1 to 292 candidates), so every (group, candidate) pair is one lane, its terms taken
     from a per-group table of waux·(scale·v - x)² for each position and level value: the same float32
     operations as the C's, once per group rather than once per candidate.  (A fused kernel over the lists
     padded to the longest was measured at 1.4x on IQ2_XS, for ~15 s of building per chunk shape: not kept.)"""
-    g, dim = xval.shape
     if values is None:
-        values = torch.arange(1, 2 * (1 << tab.bits), 2, device=u.device, dtype=_F32).expand(g, -1)  # 2l + 1
-    return _nearest_lanes(xval.t(), waux.t(), scale, values.t(), tab.row_of[u], tab.term_offset, tab.start,
-                          tab.count, tab.flat)
+        odd = torch.arange(1, 2 << tab.bits, 2, device=u.device, dtype=_F32)             # 2l + 1
+        values = odd.unsqueeze(1).expand(-1, u.numel())
+    return _nearest_lanes(xval, waux, scale, values, tab.row_of[u], tab.term_offset, tab.start, tab.count,
+                          tab.flat)
 
 
 def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor):
@@ -133,9 +133,7 @@ def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Ten
     if sel.numel():
         def lanes(t):                                               # (sub, m) -> (dim, off-grid groups)
             return grouped(t).reshape(-1, dim).index_select(0, sel).t()   # rows: dim-1 gathers are slow
-        best = _nearest_lanes(lanes(xval), lanes(waux), scale.index_select(0, sel % m), tab.odd.new_tensor(
-            range(1, 2 << tab.bits, 2)).unsqueeze(1).expand(-1, sel.numel()), tab.row_of[u.view(-1)[sel]],
-            tab.term_offset, tab.start, tab.count, tab.flat)
+        best = best_neighbour(tab, u.view(-1)[sel], lanes(xval), lanes(waux), scale.index_select(0, sel % m))
         Lg = Lg.reshape(-1, dim).index_copy(0, sel, tab.levels[best]).view(sub // dim, m, dim)
     return Lg.permute(0, 2, 1).reshape(sub, m), on
 

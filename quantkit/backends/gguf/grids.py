@@ -43,7 +43,6 @@ GRID_TYPES = frozenset(_SPECS)
 @dataclass(frozen=True)
 class GridTables:
     levels: torch.Tensor       # (n_grid, dim) int32: each grid point's levels l
-    odd: torch.Tensor          # (n_grid, dim) float32: 2l + 1, the values the quantizer measures distances on
     index_of: torch.Tensor     # (2**(bits*dim),) int32: grid index of the point with index u, or -1
     row_of: torch.Tensor       # (2**(bits*dim),) int64: u's list (-1: on the grid or unreachable)
     start: torch.Tensor        # (lists,) int64: where each list begins in `flat`
@@ -62,7 +61,7 @@ class GridTables:
         if self.levels.device == torch.device(device):
             return self
         return GridTables(*(getattr(self, f).to(device) for f in
-                            ("levels", "odd", "index_of", "row_of", "start", "count", "flat", "term_offset")),
+                            ("levels", "index_of", "row_of", "start", "count", "flat", "term_offset")),
                           self.bits, self.dim)
 
 
@@ -109,7 +108,7 @@ def grid_tables(qtype: GGMLQuantizationType) -> GridTables:
     row_of[wanted] = np.arange(int(wanted.sum()))
     count = (lists >= 0).sum(1)
     start = np.cumsum(count) - count
-    return GridTables(levels=torch.from_numpy(levels), odd=torch.from_numpy((2 * levels + 1).astype(np.float32)),
+    return GridTables(levels=torch.from_numpy(levels),
                       index_of=torch.from_numpy(index_of), row_of=torch.from_numpy(row_of),
                       start=torch.from_numpy(start), count=torch.from_numpy(count),
                       flat=torch.from_numpy(lists[lists >= 0].astype(np.int64)),

@@ -104,8 +104,8 @@ def _snap(L, x, w, scale, shift_p, tab):
     if bool(off.any()):
         xp = torch.tensor(_X_P + (0.0,), device=x.device)
         xm = torch.tensor(_X_M + (0.0,), device=x.device)
-        values = torch.where(shift_p[off].unsqueeze(1), xp, xm)
-        grouped = lambda t: t.view(n // 8, 8, m).permute(0, 2, 1)[off]   # noqa: E731
+        values = torch.where(shift_p[off].unsqueeze(0), xp.unsqueeze(1), xm.unsqueeze(1))      # (4, off)
+        grouped = lambda t: t.view(n // 8, 8, m).permute(0, 2, 1)[off].t()   # noqa: E731  (8, off)
         sc = scale.unsqueeze(0).expand(n // 8, m)[off]
         gi[off] = best_neighbour(tab, u[off], grouped(x), grouped(w), sc, values).long()
     return gi, ~off.any(0)
