@@ -16,6 +16,11 @@ import torch
 _F32 = torch.float32
 
 
+def _f32(v: float) -> float:
+    """A Python float rounded like a C float literal."""
+    return float(np.float32(v))
+
+
 def _c(v: float, ref: torch.Tensor) -> torch.Tensor:
     """0-dim float32 constant on ref's device (value rounded like a C float literal)."""
     return torch.tensor(float(np.float32(v)), dtype=_F32, device=ref.device)

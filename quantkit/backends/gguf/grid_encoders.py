@@ -33,18 +33,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from .exact import _div, _f16_bytes, _nearest_int, _recip, _seqsum, _sqrt, _sub
+from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sqrt, _sub
 from .grids import GridTables, grid_tables
 from .qp_search import make_qp_quants
 
-__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "best_neighbour"]
+__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "best_neighbour", "importance_weights"]
 
 QT = GGMLQuantizationType
 _F32 = torch.float32
-
-
-def _f32(v: float) -> float:
-    return float(np.float32(v))
 
 
 @dataclass(frozen=True)
@@ -181,17 +177,18 @@ def _search(p: _Lattice, tab: GridTables, xval, w, waux, top, scale):
     return L, scale
 
 
+def importance_weights(x, qw, sigma: float, plain: str | None):
+    """The lattice and IQ1 quantizers' weights for (256, nb) super-blocks: qw·sqrt(σ² + x²) with
+    σ² = sigma·Σx²/256, or without a matrix x² ("x2") or σ²/4 + x² ("sigma/4+x2")."""
+    if qw is None and plain == "x2":
+        return x * x
+    sigma2 = _div(sigma * _seqsum(x * x), 256.0).unsqueeze(0)
+    return _f32(0.25) * sigma2 + x * x if qw is None else qw * _sqrt(sigma2 + x * x)
+
+
 def _weights(p: _Lattice, x, qw):
-    """Weights and their square roots for (256, nb) super-blocks, as (sub, (256/sub)·nb) sub-blocks."""
-    if qw is None and p.plain == "x2":
-        w = x * x
-    else:
-        sigma2 = _div(p.sigma * _seqsum(x * x), 256.0)
-        if qw is None:
-            w = _f32(0.25) * sigma2.unsqueeze(0) + x * x
-        else:
-            w = qw * _sqrt(sigma2.unsqueeze(0) + x * x)
-    w = _sub(w, p.sub)
+    """Weights and their square roots, as (sub, (256/sub)·nb) sub-blocks."""
+    w = _sub(importance_weights(x, qw, p.sigma, p.plain), p.sub)
     return w, _sqrt(w)
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from .exact import _div, _f16_bytes, _nearest_int, _recip, _seqsum, _sqrt, _sub
-from .grid_encoders import best_neighbour
+from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sub, _unsub
+from .grid_encoders import best_neighbour, importance_weights
 from .grids import grid_tables
 
 __all__ = ["IQ1_ENCODERS"]
@@ -36,10 +36,6 @@ _F32 = torch.float32
 _DELTA = 0.125
 _X_P = (-1 + _DELTA, _DELTA, 1 + _DELTA)      # exact in float32
 _X_M = (-1 - _DELTA, -_DELTA, 1 - _DELTA)
-
-
-def _f32(v: float) -> float:
-    return float(np.float32(v))
 
 
 def _splits(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,11 +119,6 @@ def _refit(gi, x, w, shift_p, tab, scale):
     return torch.where((sumqx > 0) & (sumq2 > 0), _div(sumqx, sumq2), scale)
 
 
-def _weights(x, qw):
-    sigma2 = _div(2.0 * _seqsum(x * x), 256.0)
-    return x * x if qw is None else qw * _sqrt(sigma2.unsqueeze(0) + x * x)
-
-
 def _sorted_prefix(xs, w):
     """Values sorted (stable), their order, and the running sums of w·x and w over them (sequential)."""
     vals, idx = torch.sort(xs, dim=0, stable=True)
@@ -143,7 +134,7 @@ def _sorted_prefix(xs, w):
 
 def _subblocks(x, qw, qtype, sub: int, eps: float):
     """(grid tables, weights and values as (sub, m) sub-blocks, the sub-blocks searched: largest |x| >= eps)."""
-    w = _sub(_weights(x, qw), sub)
+    w = _sub(importance_weights(x, qw, 2.0, "x2"), sub)
     xs = _sub(x, sub)
     return grid_tables(qtype).to(x.device), w, xs, xs.abs().amax(0) >= _f32(eps)
 
@@ -258,7 +249,7 @@ def _enc_iq1_m(x, qw, ctx):
     lev = tab.levels[gi.permute(1, 0, 2).reshape(32, nb).view(-1)].view(32, nb, 8).permute(0, 2, 1).reshape(256, nb)
     xp, xm = torch.tensor(_X_P, device=dev), torch.tensor(_X_M, device=dev)
     q = torch.where(sp, xp[lev.long()], xm[lev.long()]) * (2 * ls + 1).to(_F32).repeat_interleave(16, 0)
-    wf = _weights(x, qw)
+    wf = _unsub(w, 256, nb)                                           # the same weights, position order
     sumqx, sumq2 = _seqsum(wf * q * x), _seqsum(wf * q * q)
     d = torch.where(sumq2 > 0, _div(sumqx, sumq2), d)
     u16 = _f16_bytes(d * _f32(1.1125)).long()
