@@ -194,7 +194,7 @@ class GGUFBackend(Backend):
                    "built if missing, then used" if compiled else "used where already built, else eager")
             plan.extra["fused CPU kernels"] = (
                 f"{how} ({fused_n / 1e6:.0f} M weights in K-quant and IQ4 types; missing kernels are built from "
-                f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~7 s each once per machine; QUANTKIT_COMPILE overrides)")
+                f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~{fusion.BUILD_SECONDS:.0f} s each once per machine; QUANTKIT_COMPILE overrides)")
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,

@@ -52,7 +52,7 @@ from gguf import quants as _gguf_quants
 
 from .exact import (_div, _recip, _nearest_int, _ni, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
     _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND)
-from .fusion import fused, padded_columns
+from .fusion import fused
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
 from .iq1_encoders import IQ1_ENCODERS
 from .qp_search import make_qp_quants as _make_qp_quants
@@ -231,30 +231,24 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
     zero, L, sumlx, suml2 = _q3_start(x, torch.tensor(float(nmax), device=x.device))
     # Coordinate descent, up to 5 passes.  A pass that changes nothing in a
     # group leaves its state untouched, so every later pass is a no-op for it:
-    # after each pass only the groups that changed are carried on (compacted).
-    # On a full chunk on the CPU the active set is padded with repeats of one of
-    # its groups to a size that has a kernel (measured, 2048x5632: the four
-    # eager passes over ~20, 5, 1, 0.1 % of the groups took 6.7 ms per chunk,
-    # against 2.0 ms for the whole first pass as a kernel).
+    # after each pass only the groups that changed are carried on (compacted);
+    # the kernel takes any number of groups.
     act = None
     for _ in range(5):
         if act is None:
             xa, La, slx_a, sl2_a = x, L, sumlx, suml2
         else:
-            k = act.numel()
-            p = padded_columns(k, x) or k
-            idx = act if p == k else torch.cat([act, act[:1].expand(p - k)])
-            xa, La = x[:, idx], L[:, idx]
-            slx_a, sl2_a = sumlx[idx], suml2[idx]
+            xa, La = x[:, act], L[:, act]
+            slx_a, sl2_a = sumlx[act], suml2[act]
         La, slx_a, sl2_a, changed = _q3_pass(xa, La, slx_a, sl2_a, nmax)
         if act is None:
             L, sumlx, suml2 = La, slx_a, sl2_a
             act = torch.nonzero(changed).squeeze(1)
         else:
-            L[:, act] = La[:, :k]
-            sumlx[act] = slx_a[:k]
-            suml2[act] = sl2_a[:k]
-            act = act[changed[:k]]
+            L[:, act] = La
+            sumlx[act] = slx_a
+            suml2[act] = sl2_a
+            act = act[changed]
         if act.numel() == 0:
             break
     scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))

@@ -12,23 +12,24 @@ The fused step is the same torch code as the eager one, and it keeps
 llama.cpp's bytes because Inductor compiles C++ without FMA contraction and
 without unsafe-math reassociation (torch._inductor.config.cpp defaults), and
 every sum is written as explicit left-to-right additions.  Still, a kernel is
-used only after it reproduced the eager function bit for bit on its first real
-input in this process; otherwise (no C++ compiler, an unsupported torch, a
-different result) the eager function runs.
+used only after it reproduced the eager function bit for bit on real input in
+this process; otherwise (no C++ compiler, an unsupported torch, a different
+result) the eager function runs.
 
-Each (function, shapes, constants) is exported once (torch.export) and built by
-AOTInductor into a package in quantkit's cache, keyed by torch version, this
-CPU, and the encoders' source.  Later processes load the package's shared
-library in milliseconds: no tracing and no Inductor start-up, which cost
-torch.compile 3-4 s in every process.  QUANTKIT_COMPILE=0 always runs eagerly;
+Each (function, constants, shapes but the number of blocks) is exported once
+(torch.export, the blocks dimension symbolic) and built by AOTInductor into a
+package in quantkit's cache, keyed by torch version, this CPU, and the
+encoders' source: one kernel serves every chunk of every model.  Later
+processes load the package's shared library in milliseconds: no tracing and no
+Inductor start-up, which cost torch.compile 3-4 s in every process.  QUANTKIT_COMPILE=0 always runs eagerly;
 =1 builds missing kernels from the first call; the default (auto) uses the
 kernels already built and builds missing ones only when the planned conversion
 is large enough for that to pay (see plan_work).  CUDA runs eagerly: its kernels
 are already fused enough, and Triton's float division is not guaranteed to be
 correctly rounded.
 
-Building costs ~7 s per kernel on 2 cores (once ~8 s more for Inductor's CPU
-probe); a K-quant mixture uses 6-12 kernels, built once per machine.
+Building costs 7-18 s per kernel on 2 cores (once ~8 s more for Inductor's CPU
+probe); a K-quant file type uses 4-9 kernels, built once per machine.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ __all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile"
            "AUTO_MIN_ELEMENTS", "BUILD_SECONDS"]
 
 
-# Building a kernel costs ~7 s (2 cores), once per machine, so by default
+# Building a kernel costs ~12 s (2 cores), once per machine, so by default
 # (QUANTKIT_COMPILE=auto) missing kernels are built only when the planned run
 # encodes at least this many elements in fused types: about 10 s of eager work.
 # Kernels built earlier are used by every run.  Which path runs changes the
@@ -57,7 +58,7 @@ AUTO_MIN_ELEMENTS = 100_000_000
 _planned_elements = 0
 # what building one kernel takes on a 2-core machine (measured: bench/results/preflight.md), for the dry run's
 # time estimate of a first run
-BUILD_SECONDS = 7.0
+BUILD_SECONDS = 12.0
 _ALL: list = []           # every fused function, for missing_kernels()
 
 
@@ -89,34 +90,17 @@ def compile_mode() -> str:
     return "auto"
 
 
-# Kernels have static shapes.  A tensor's full chunks all have one shape, and
-# chunk sizes are powers of two (2^20 elements over power-of-two block sizes
-# and work factors), so only power-of-two block counts of at least this many
-# get kernels, at most _MAX_SHAPES per specialization; other shapes (a small
-# tensor's only chunk, a tensor's last chunk) run eagerly, so that no run
-# builds kernels for shapes that only one model has.  (Too few blocks would
-# also give a single-threaded kernel.)  Q3_K's shrinking active sets are padded
-# to a full chunk / 4^j (padded_columns): four shapes.
-_MIN_COLUMNS = 512
-_MAX_SHAPES = 4
+# A kernel is built for its function's constants and every dimension of its
+# tensors except the last, the blocks, which stays symbolic: one kernel serves
+# every chunk size of every model (a full chunk's, a tensor's last chunk's,
+# Q3_K's shrinking active sets), so a run builds one kernel per function and
+# specialization, not one per shape.  Below _MIN_COLUMNS blocks the eager ops
+# are as fast (and a kernel's threads would have too little to share).
+_MIN_COLUMNS = 64
 
 
 def _kernel_shape(m: int) -> bool:
-    return m >= _MIN_COLUMNS and m & (m - 1) == 0
-
-
-def padded_columns(k: int, full: torch.Tensor) -> int | None:
-    """The size to pad a subset of k of a full chunk's m columns (full: (n, m)) to,
-    so that the subset runs as a kernel: m / 4^j, the smallest such of at least k
-    and _MIN_COLUMNS.  None when the full chunk itself gets no kernel (eager: no
-    padding pays)."""
-    m = full.shape[-1]
-    if full.device.type != "cpu" or not _kernel_shape(m) or compile_mode() == "never":
-        return None
-    p = m
-    while p // 4 >= max(k, _MIN_COLUMNS):
-        p //= 4
-    return p
+    return m >= _MIN_COLUMNS
 
 
 # One step is a few hundred point-wise nodes; Inductor's default cap on a
@@ -184,25 +168,32 @@ class _Kernel:
     """A loaded AOTInductor package: called with the tensor arguments, returns
     the function's output structure (a tensor or a tuple of tensors)."""
 
-    def __init__(self, path: Path, tuple_out: bool):
+    def __init__(self, path: Path):
         # the C++ loader: the Python wrapper (torch._inductor.aoti_load_package)
         # imports Inductor and costs ~1.5 s per process
         self.runner = _LOADER(str(path), "model", False, 1, -1)
-        self.tuple_out = tuple_out
 
     def __call__(self, args):
         out = self.runner.run([a for a in args if isinstance(a, torch.Tensor)])
-        return tuple(out) if self.tuple_out else out[0]
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def _shape(t: torch.Tensor, m: int) -> tuple:
+    """t's shape with a last dimension of m blocks made symbolic (a table's length stays what it is)."""
+    return tuple(t.shape[:-1]) + ("blocks",) if t.dim() and t.shape[-1] == m else tuple(t.shape)
 
 
 def _build(fn: Callable, args: tuple, path: Path) -> None:
-    """Export fn for these shapes and constants and build it into a package at path."""
+    """Export fn for these constants and shapes, the last dimension symbolic, and build it into a package at path."""
     import torch._inductor
     template = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    blocks = torch.export.Dim("blocks", min=_MIN_COLUMNS)
+    m = args[0].shape[-1]
+    dynamic = tuple({t.dim() - 1: blocks} if _shape(t, m)[-1:] == ("blocks",) else None for t in tensors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(_Graph(fn, template), tensors, strict=False)
+        ep = torch.export.export(_Graph(fn, template), tensors, dynamic_shapes=(dynamic,), strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)   # another process may build it too
         os.close(fd)
@@ -216,10 +207,12 @@ def _build(fn: Callable, args: tuple, path: Path) -> None:
 
 class _Fused:
     """Callable that runs `fn` as a built kernel on CPU tensors.  The first call
-    of each shape loads (or builds) its kernel, runs both the eager function and
-    the kernel and keeps the kernel only if the two agree bit for bit; anything
-    else (no C++ compiler, an unsupported torch, a different result, an odd
-    shape) runs eagerly.  The tensors' last dimension is the blocks."""
+    of each specialization loads (or builds) its kernel; the first call with a
+    whole number of vectors of blocks and the first without (the kernel's loop
+    tail) run both the eager function and the kernel, which is kept only if the
+    two agree bit for bit; anything else (no C++ compiler, an unsupported torch,
+    a different result, too few blocks) runs eagerly.  The tensors' last
+    dimension is the blocks (when its size is the first tensor's last one)."""
 
     def __init__(self, fn: Callable, eager: Callable | None = None):
         _ALL.append(self)
@@ -227,74 +220,84 @@ class _Fused:
         # what runs without a kernel; by default fn itself, else a vectorized
         # formulation of the same step that runs faster op by op
         self.eager = eager or fn
-        self.kernels: dict = {}         # full shape key -> _Kernel, or None (refused / unavailable)
-        self.shapes: dict = {}          # specialization -> block counts given kernels
-        self.absent: set = set()        # full shape keys with no package, while building is off
+        self.kernels: dict = {}         # specialization -> _Kernel, or None (refused / unavailable)
+        self.checked: set = set()       # (specialization, tail?) already held to the eager result
+        self.absent: set = set()        # specializations with no package, while building is off
 
     @property
     def verdict(self) -> dict:
-        """full shape key -> was a kernel accepted?"""
+        """specialization -> was a kernel accepted?"""
         return {k: v is not None for k, v in self.kernels.items()}
 
     @staticmethod
-    def _key(args, full: bool) -> tuple:
-        return tuple((tuple(a.shape) if full else tuple(a.shape[:-1])) + (a.dtype,)
-                     if isinstance(a, torch.Tensor) else ("v", a) for a in args)
+    def _key(args) -> tuple:
+        return tuple((_shape(a, args[0].shape[-1]), a.dtype) if isinstance(a, torch.Tensor) else ("v", a)
+                     for a in args)
 
-    def _path(self, full: tuple) -> Path:
-        name = f"{self.fn.__module__}.{self.fn.__qualname__}|{full}"
+    def _path(self, spec: tuple) -> Path:
+        name = f"{self.fn.__module__}.{self.fn.__qualname__}|{spec}"
         return kernel_dir() / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
 
-    def _load_and_check(self, args, full):
-        """(kernel or None, the eager result, settled?).  Not settled: no package
-        and building is off, so a later forced or large run may still build it."""
+    def _load(self, args, spec) -> tuple:
+        """(kernel or None, settled?).  Not settled: no package and building is
+        off, so a later forced or large run may still build it."""
         global _build_failed
-        want = self.eager(*args)
-        if _LOADER is None or not (isinstance(want, torch.Tensor) or
-                                   (isinstance(want, tuple) and all(isinstance(t, torch.Tensor) for t in want))):
-            return None, want, True
+        if _LOADER is None:
+            return None, True
+        path = self._path(spec)
         try:
-            path = self._path(full)
             if not path.exists():
                 if not _may_build():
-                    return None, want, False
+                    return None, False
                 try:
                     _build(self.fn, args, path)
                 except Exception:
                     _build_failed = True
                     raise
             try:
-                kernel = _Kernel(path, isinstance(want, tuple))
+                return _Kernel(path), True
             except Exception:           # a damaged package file: drop it, a later large run rebuilds it
                 path.unlink(missing_ok=True)
                 raise
-            got = kernel(args)
         except Exception:               # no C++ compiler, unsupported torch, ...: stay eager
-            return None, want, True
-        return (kernel if _bits_equal(want, got) else None), want, True
+            return None, True
 
     def __call__(self, *args):
-        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or compile_mode() == "never":
+        if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or compile_mode() == "never" \
+                or not _kernel_shape(args[0].shape[-1]):
             return self.eager(*args)
-        # the kernels were built for contiguous inputs of these shapes
+        # the kernels were built for contiguous inputs
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-        full = self._key(args, True)
-        if full not in self.kernels:
-            spec = self._key(args, False)
-            m = args[0].shape[-1]
-            done = self.shapes.get(spec, [])
-            if not _kernel_shape(m) or len(done) >= _MAX_SHAPES or (full in self.absent and not _may_build()):
+        spec = self._key(args)
+        if spec not in self.kernels:
+            if spec in self.absent and not _may_build():
                 return self.eager(*args)
-            kernel, out, settled = self._load_and_check(args, full)
-            if settled:                     # loaded, built, or refused: the shape takes a slot
-                self.absent.discard(full)
-                self.shapes[spec] = done + [m]
-                self.kernels[full] = kernel
-            else:
-                self.absent.add(full)
-            return out
-        kernel = self.kernels[full]
-        return kernel(args) if kernel is not None else self.eager(*args)
+            kernel, settled = self._load(args, spec)
+            if not settled:
+                self.absent.add(spec)
+                return self.eager(*args)
+            self.absent.discard(spec)
+            self.kernels[spec] = kernel
+        kernel = self.kernels[spec]
+        if kernel is None:
+            return self.eager(*args)
+        check = (spec, args[0].shape[-1] % _VECTOR_BLOCKS != 0)
+        if check in self.checked:
+            return kernel(args)
+        self.checked.add(check)
+        want = self.eager(*args)
+        try:
+            got = kernel(args)
+        except Exception:
+            got = None
+        if not _bits_equal(want, got):
+            self.kernels[spec] = None
+        return want
+
+
+# blocks in a whole number of any CPU's float vectors (AVX-512: 16 lanes): calls with such a count and calls
+# without run different loop code in a kernel, so the first call of each kind is checked
+_VECTOR_BLOCKS = 64
 
 
 def missing_kernels() -> int:
