@@ -41,7 +41,7 @@ pytestmark = [
 # which fused functions each type goes through (without an importance matrix)
 _FUSED = {
     QT.Q2_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_q2_finish"),
-    QT.Q3_K: ("_q3_start", "_q3_pass", "_q3_finish"),
+    QT.Q3_K: ("_q3_start", "_q3_pass"),
     QT.Q4_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_k45_finish"),
     QT.Q6_K: ("_qx_candidate", "_q6_finish"),
     QT.IQ4_NL: ("_iq4_candidate",),
@@ -209,3 +209,33 @@ def test_one_kernel_serves_every_block_count(tmp_path, monkeypatch):
     assert list(f.verdict.values()) == [True]
     assert len(list(tmp_path.glob("*/step-*.pt2"))) == 1
     assert len(f.checked) == 2
+
+
+def test_prebuild_builds_what_the_probe_lacks_in_worker_processes(tmp_path, monkeypatch):
+    """A cold run's kernels are built before it starts, in processes beside it: the probe's calls only record
+    what is missing (nothing is built in the run's own process), the workers build it, the run loads it, and
+    the kernel then gives the eager bits for another block count."""
+    from quantkit.backends.gguf import fusion
+    monkeypatch.setenv("QUANTKIT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+    monkeypatch.setattr(fusion, "_build_failed", False)
+
+    def not_here(fn, args, path):
+        raise AssertionError("built in the run's own process")
+    monkeypatch.setattr(fusion, "_build", not_here)
+    f = encoders._qkx_levels
+    for slot, empty in (("kernels", {}), ("checked", set()), ("absent", set())):
+        monkeypatch.setattr(f, slot, empty)
+    g = torch.Generator().manual_seed(0)
+
+    def args(m):
+        return (torch.randn(32, m, generator=g), torch.rand(m, generator=g) + 0.5, -torch.rand(m, generator=g),
+                torch.tensor(15.0))
+    probe = args(300)
+    assert fusion.prebuild(lambda: f(*probe)) == 1
+    assert len(list(tmp_path.glob("*/_qkx_levels-*.pt2"))) == 1
+    run = args(1000)
+    assert all(torch.equal(a, b) for a, b in zip(f(*run), encoders._qkx_levels_vec(*run)))
+    assert list(f.verdict.values()) == [True]
+    assert fusion.prebuild(lambda: f(*probe)) == 0          # nothing left to build
+

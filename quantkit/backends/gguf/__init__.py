@@ -1,6 +1,7 @@
 """GGUF for llama.cpp: every legacy and K-quant type, IQ4, and llama-quantize's file-type mixtures."""
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -152,9 +153,9 @@ class GGUFBackend(Backend):
             seconds += read_seconds(model)
             text = f"{seconds:.0f} s on {device}"
             if compiled and missing:
-                seconds += missing * fusion.BUILD_SECONDS
-                text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built on the way (~"
-                        f"{fusion.BUILD_SECONDS:.0f} s each, once per machine)")
+                seconds += fusion.build_seconds(missing)
+                text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built first (~"
+                        f"{fusion.BUILD_SECONDS:.0f} s each, {os.cpu_count() or 1} at a time, once per machine)")
             run = settings.run
             if settings.imatrix:
                 collect = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)

@@ -36,8 +36,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import logging
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -45,8 +49,10 @@ from typing import Callable
 
 import torch
 
-__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "missing_kernels",
+__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "missing_kernels", "prebuild", "build_seconds",
            "AUTO_MIN_ELEMENTS", "BUILD_SECONDS"]
+
+log = logging.getLogger("quantkit")
 
 
 # Building a kernel costs ~12 s (2 cores), once per machine, so by default
@@ -158,6 +164,7 @@ class _Graph(torch.nn.Module):
 # torch's C++ package loader (absent from some builds: then everything runs eagerly)
 _LOADER = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
 _build_failed = False     # one failed build (no C++ compiler, ...) stops further attempts in this process
+_wanted: dict | None = None   # while prebuild's probe runs: package path -> (fused function, example arguments)
 
 
 def _may_build() -> bool:
@@ -247,6 +254,9 @@ class _Fused:
         path = self._path(spec)
         try:
             if not path.exists():
+                if _wanted is not None and _may_build():
+                    _wanted.setdefault(path, (self, args))
+                    return None, False
                 if not _may_build():
                     return None, False
                 try:
@@ -300,6 +310,59 @@ class _Fused:
 _VECTOR_BLOCKS = 64
 
 
+def prebuild(probe: Callable[[], None]) -> int:
+    """Build the kernels a run will build, before it starts, in parallel processes (one per core): `probe`
+    encodes a sample of each type the run encodes, which records the kernels it lacks instead of building
+    them.  Each build is one core's work (tracing, code generation, a compiler), so the cores build side by
+    side what the run would otherwise build one at a time between its encodes.  Returns the number built;
+    any a worker could not build are built (or refused) by the run itself, as without prebuild."""
+    global _wanted
+    if _LOADER is None or not _may_build():
+        return 0
+    _wanted = {}
+    try:
+        probe()
+    finally:
+        wanted, _wanted = _wanted, None
+    if not wanted:
+        return 0
+    workers = max(1, min(len(wanted), os.cpu_count() or 1))
+    log.info(f"building {len(wanted)} fused CPU kernels for this machine, {workers} at a time (once per machine)")
+    # one compiler at a time per worker: Inductor's own compile pool would only add processes to start
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        try:
+            for i in range(workers):
+                share = [(f.fn.__module__, f.fn.__name__, args, str(path))
+                         for path, (f, args) in list(wanted.items())[i::workers]]
+                job = Path(tmp) / f"job{i}.pt"
+                torch.save(share, job)
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(job)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for proc in procs:
+                proc.wait()
+        finally:                # interrupted: no worker outlives the run (a package is renamed into place whole)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return sum(1 for path in wanted if path.exists())
+
+
+def _build_jobs(job: str) -> None:
+    """A prebuild worker: build each (module, function, example arguments, path) of the job file."""
+    torch.set_num_threads(1)
+    for module, name, args, path in torch.load(job, weights_only=True):
+        _build(getattr(importlib.import_module(module), name).fn, args, Path(path))
+
+
+def build_seconds(kernels: int) -> float:
+    """What building this many kernels adds to a run: prebuild builds one per core at a time."""
+    workers = max(1, os.cpu_count() or 1)
+    return -(-kernels // workers) * BUILD_SECONDS
+
+
 def missing_kernels() -> int:
     """Kernels this process has wanted and found neither loaded nor built (calls ran eagerly instead): after a
     dry run's probe of the encoders on full chunks, the ones a real run would build.  Full chunks have the same
@@ -327,3 +390,7 @@ def fused(fn: Callable | None = None, *, eager: Callable | None = None):
     if fn is None:
         return lambda f: _Fused(f, eager)
     return _Fused(fn, eager)
+
+
+if __name__ == "__main__":
+    _build_jobs(sys.argv[1])

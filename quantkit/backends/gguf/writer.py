@@ -103,6 +103,23 @@ def _encode(src: torch.Tensor, t: GGUFTensor, q: gguf.GGMLQuantizationType,
     return encoders.quantize(src, q, imatrix=weights).reshape(byte_shape(t, q))
 
 
+def _probe_encoders(tensors: list[GGUFTensor], jobs: list[FileJob], imatrix: dict | None) -> None:
+    """Encode a small random sample of each fused type the files give a tensor, weighted where that tensor's
+    rounding is: the calls fusion.prebuild learns the run's kernels from."""
+    kinds = set()
+    for t in tensors:
+        for job in jobs:
+            q = job.types[t.name]
+            weights = job.imatrix if job.imatrix is not None else imatrix
+            weighted = bool(weights) and (any(n in weights for n in t.stack) if t.stack else t.source in weights)
+            if q in encoders.FUSED_TYPES:
+                kinds.add((q, weighted))
+    # rows of 1536 take every block size; 48 of them give each step a few hundred blocks
+    x = torch.randn(48, 1536, generator=torch.Generator().manual_seed(0))
+    for q, weighted in kinds:
+        encoders.quantize(x, q, imatrix=torch.rand(1536) + 0.1 if weighted else None)
+
+
 def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob], *, name: str,
                 device: torch.device, tokenizer_pre: str | None, progress: Progress,
                 imatrix: dict[str, torch.Tensor] | None = None, imatrix_info: dict | None = None) -> list[Path]:
@@ -148,6 +165,8 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
         # each (tensor, type) is encoded once however many files want it
         fusion.plan_work(sum(math.prod(t.shape) for t in tensors
                              for q in {job.types[t.name] for job in jobs} if q in encoders.FUSED_TYPES))
+        if device.type == "cpu":
+            fusion.prebuild(lambda: _probe_encoders(tensors, jobs, imatrix))
         tasks = [progress.task(job.path.name, total=len(tensors)) for job in jobs]
         for i, t in enumerate(tensors):
             made = [job.encoded(t.name) if job.encoded else None for job in jobs]
