@@ -1,7 +1,6 @@
 """GGUF for llama.cpp: every legacy and K-quant type, IQ4, and llama-quantize's file-type mixtures."""
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -155,7 +154,7 @@ class GGUFBackend(Backend):
             if compiled and missing:
                 seconds += fusion.build_seconds(missing)
                 text = (f"{seconds:.0f} s on {device}, {missing} fused kernels built first (~"
-                        f"{fusion.BUILD_SECONDS:.0f} s each, {os.cpu_count() or 1} at a time, once per machine)")
+                        f"{fusion.BUILD_SECONDS:.0f} s each, {fusion.build_workers()} at a time, once per machine)")
             run = settings.run
             if settings.imatrix:
                 collect = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
@@ -195,7 +194,8 @@ class GGUFBackend(Backend):
                    "built if missing, then used" if compiled else "used where already built, else eager")
             plan.extra["fused CPU kernels"] = (
                 f"{how} ({fused_n / 1e6:.0f} M weights in K-quant and IQ4 types; missing kernels are built from "
-                f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~{fusion.BUILD_SECONDS:.0f} s each once per machine; QUANTKIT_COMPILE overrides)")
+                f"{fusion.AUTO_MIN_ELEMENTS / 1e6:.0f} M, ~{fusion.BUILD_SECONDS:.0f} s each once per machine; "
+                f"QUANTKIT_COMPILE overrides)")
         return plan
 
     def write_all(self, model: Checkpoint, items: list[tuple[mixtures.FileTypeSpec, Plan]], out_dir: Path,

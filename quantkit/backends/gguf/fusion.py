@@ -21,10 +21,11 @@ Each (function, constants, shapes but the number of blocks) is exported once
 package in quantkit's cache, keyed by torch version, this CPU, and the
 encoders' source: one kernel serves every chunk of every model.  Later
 processes load the package's shared library in milliseconds: no tracing and no
-Inductor start-up, which cost torch.compile 3-4 s in every process.  QUANTKIT_COMPILE=0 always runs eagerly;
-=1 builds missing kernels from the first call; the default (auto) uses the
-kernels already built and builds missing ones only when the planned conversion
-is large enough for that to pay (see plan_work).  CUDA runs eagerly: its kernels
+Inductor start-up, which cost torch.compile 3-4 s in every process.
+QUANTKIT_COMPILE=0 always runs eagerly; =1 builds missing kernels from the
+first call; the default (auto) uses the kernels already built and builds
+missing ones only when the planned conversion is large enough for that to pay
+(see plan_work).  CUDA runs eagerly: its kernels
 are already fused enough, and Triton's float division is not guaranteed to be
 correctly rounded.
 
@@ -49,8 +50,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "missing_kernels", "prebuild", "build_seconds",
-           "AUTO_MIN_ELEMENTS", "BUILD_SECONDS"]
+__all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile", "missing_kernels", "prebuild",
+           "build_workers", "build_seconds", "AUTO_MIN_ELEMENTS", "BUILD_SECONDS"]
 
 log = logging.getLogger("quantkit")
 
@@ -185,9 +186,14 @@ class _Kernel:
         return out[0] if len(out) == 1 else tuple(out)
 
 
+def _ends_in_blocks(t: torch.Tensor, m: int) -> bool:
+    """Whether t's last dimension is the m blocks (a table's length is not)."""
+    return t.dim() > 0 and t.shape[-1] == m
+
+
 def _shape(t: torch.Tensor, m: int) -> tuple:
-    """t's shape with a last dimension of m blocks made symbolic (a table's length stays what it is)."""
-    return tuple(t.shape[:-1]) + ("blocks",) if t.dim() and t.shape[-1] == m else tuple(t.shape)
+    """t's shape with its blocks dimension made symbolic."""
+    return tuple(t.shape[:-1]) + ("blocks",) if _ends_in_blocks(t, m) else tuple(t.shape)
 
 
 def _build(fn: Callable, args: tuple, path: Path) -> None:
@@ -197,7 +203,7 @@ def _build(fn: Callable, args: tuple, path: Path) -> None:
     tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
     blocks = torch.export.Dim("blocks", min=_MIN_COLUMNS)
     m = args[0].shape[-1]
-    dynamic = tuple({t.dim() - 1: blocks} if _shape(t, m)[-1:] == ("blocks",) else None for t in tensors)
+    dynamic = tuple({t.dim() - 1: blocks} if _ends_in_blocks(t, m) else None for t in tensors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.export(_Graph(fn, template), tensors, dynamic_shapes=(dynamic,), strict=False)
@@ -254,10 +260,10 @@ class _Fused:
         path = self._path(spec)
         try:
             if not path.exists():
-                if _wanted is not None and _may_build():
-                    _wanted.setdefault(path, (self, args))
-                    return None, False
                 if not _may_build():
+                    return None, False
+                if _wanted is not None:         # prebuild's probe: its workers build it
+                    _wanted.setdefault(path, (self, args))
                     return None, False
                 try:
                     _build(self.fn, args, path)
@@ -326,7 +332,7 @@ def prebuild(probe: Callable[[], None]) -> int:
         wanted, _wanted = _wanted, None
     if not wanted:
         return 0
-    workers = max(1, min(len(wanted), os.cpu_count() or 1))
+    workers = min(len(wanted), build_workers())
     log.info(f"building {len(wanted)} fused CPU kernels for this machine, {workers} at a time (once per machine)")
     # one compiler at a time per worker: Inductor's own compile pool would only add processes to start
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
@@ -357,10 +363,14 @@ def _build_jobs(job: str) -> None:
         _build(getattr(importlib.import_module(module), name).fn, args, Path(path))
 
 
+def build_workers() -> int:
+    """How many kernels prebuild builds at a time: one per core."""
+    return max(1, os.cpu_count() or 1)
+
+
 def build_seconds(kernels: int) -> float:
-    """What building this many kernels adds to a run: prebuild builds one per core at a time."""
-    workers = max(1, os.cpu_count() or 1)
-    return -(-kernels // workers) * BUILD_SECONDS
+    """What building this many kernels adds to a run."""
+    return -(-kernels // build_workers()) * BUILD_SECONDS
 
 
 def missing_kernels() -> int:
