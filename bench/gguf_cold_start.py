@@ -1,12 +1,19 @@
 """Benchmark: the first GGUF conversion on a machine with no kernels built (cold) and a later one (warm),
 against llama.cpp's convert_hf_to_gguf.py + llama-quantize, same run, same checkpoint.
 
-quantkit's K-quant encoders run fused CPU kernels that AOTInductor builds once per machine
-(quantkit/backends/gguf/fusion.py).  A cold run starts with an empty kernel folder AND an empty Inductor cache
-(its precompiled headers and graph cache: a new machine has neither); a warm run reuses both.  llama.cpp's run
-is its converter to BF16 followed by one llama-quantize per file type (threads = cores), as a user runs it.
+quantkit's K-quant encoders run fused CPU kernels built by AOTInductor (quantkit/backends/gguf/fusion.py).
+quantkit ships them built for x86-64 CPUs with AVX2; a machine that cannot use that set (another CPU, another
+torch) builds its own, once.  Four quantkit runs:
+- cold: a new machine as installed: empty kernel folder AND empty Inductor cache (its precompiled headers and
+  graph cache: a new machine has neither), the shipped set used;
+- cold, own build: the same with the shipped set left aside (QUANTKIT_SHIPPED_KERNELS=0): what a machine that
+  cannot use it pays on its first run;
+- warm: a later run as installed (the shipped set);
+- warm, own build: a later run with the machine's own kernels (-march=native) and no shipped set.
+llama.cpp's run is its converter to BF16 followed by one llama-quantize per file type (threads = cores), as a
+user runs it.
 
-Each round runs the three in turn (the order rotates from round to round); medians over `--repeats` rounds.
+Each round runs the five in turn (the order rotates from round to round); medians over `--repeats` rounds.
 
     python bench/gguf_cold_start.py [--models qwen,demo] [--types Q4_K_M,Q3_K_M] [--repeats 2]
 
@@ -49,19 +56,29 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, repeat
     fmt = [a for t in types for a in ("-f", f"gguf:{t}")]
     qk_cmd = [sys.executable, "-m", "quantkit", "convert", str(src), *fmt, "-o", str(qk_out), "--device", "cpu"]
     qk_env = {"QUANTKIT_KERNEL_DIR": str(kernels), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
-    built = []
+    own_env = {**qk_env, "QUANTKIT_SHIPPED_KERNELS": "0"}
+    built: dict[str, list[int]] = {"cold": [], "cold, own build": []}
 
-    def cold() -> float:
+    def first(name: str, env: dict) -> float:
         shutil.rmtree(kernels, ignore_errors=True)
         shutil.rmtree(inductor, ignore_errors=True)
-        wall = run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=qk_env)[0]
-        built.append(sum(1 for _ in kernels.rglob("*.pt2")))
+        wall = run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=env)[0]
+        built[name].append(sum(1 for _ in kernels.rglob("*.pt2")))
         return wall
 
+    def cold() -> float:
+        return first("cold", qk_env)
+
+    def cold_own() -> float:
+        return first("cold, own build", own_env)
+
     def warm() -> float:
-        if not any(kernels.rglob("*.pt2")):       # a warm run follows some cold one
-            cold()
         return run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=qk_env)[0]
+
+    def warm_own() -> float:
+        if not any(kernels.rglob("*.pt2")):       # it follows a run that built them
+            cold_own()
+        return run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=own_env)[0]
 
     def llama() -> float:
         wall = run_fresh([sys.executable, str(converter), str(src), "--outtype", "bf16", "--outfile", str(bf16)],
@@ -72,10 +89,11 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, repeat
                               [ref])[0]
         return wall
 
-    steps = [("cold", cold), ("warm", warm), ("llama.cpp", llama)]
+    steps = [("cold", cold), ("cold, own build", cold_own), ("warm", warm), ("warm, own build", warm_own),
+             ("llama.cpp", llama)]
     runs: dict[str, list[float]] = {name: [] for name, _ in steps}
     for i in range(repeats):
-        for name, step in steps[i % 3:] + steps[:i % 3]:
+        for name, step in steps[i % len(steps):] + steps[:i % len(steps)]:
             runs[name].append(step())
             print(label, name, round(runs[name][-1], 1), flush=True)
     identical = {}
@@ -85,9 +103,8 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, repeat
                                         capture_output=True, text=True, check=True).stdout)
         identical[t] = cmp["identical_tensors"] == cmp["tensors"] and cmp["same_types"]
     med = {name: median(v) for name, v in runs.items()}
-    return {"model": label, "types": types, "cold_s": med["cold"], "warm_s": med["warm"],
-            "llamacpp_s": med["llama.cpp"], "cold_ratio": med["cold"] / med["llama.cpp"],
-            "warm_ratio": med["warm"] / med["llama.cpp"], "kernels_built_cold": max(built),
+    return {"model": label, "types": types, "seconds": med, "ratio": {k: v / med["llama.cpp"] for k, v in med.items()},
+            "kernels_built": {k: max(v) for k, v in built.items()},
             "runs_s": {k: [round(w, 1) for w in v] for k, v in runs.items()}, "identical": identical}
 
 
@@ -98,17 +115,19 @@ def write_results(result: dict) -> None:
              f"Date {result['date']}. Machine: {result['machine']}. Reference: {result['llama_cpp']}, "
              f"{result['threads']} threads. Command: `{result['command']}`.\n",
              "Goal: cold ≤ 1.0× llama.cpp, warm ≤ 0.5×. Cold: empty quantkit kernel folder and empty Inductor "
-             "cache; warm: both kept from an earlier run. llama.cpp: its converter to BF16, then one "
-             "llama-quantize per type. Medians over the rounds (each run's time in brackets).\n",
-             "| model | types | quantkit cold s | quantkit warm s | llama.cpp s | cold ratio | warm ratio | kernels "
-             "built cold | identical tensors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "cache, with the kernels quantkit ships (x86-64 with AVX2); own build: the shipped set left aside "
+             "(QUANTKIT_SHIPPED_KERNELS=0), as on a machine that cannot use it; warm: a later run. llama.cpp: its "
+             "converter to BF16, then one llama-quantize per type. Medians over the rounds (each run's time in "
+             "brackets); ratios to llama.cpp.\n",
+             "| model | types | run | quantkit s | llama.cpp s | ratio | kernels built | identical tensors |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         br = {k: "/".join(f"{w:.0f}" for w in v) for k, v in r["runs_s"].items()}
-        lines.append(f"| {r['model']} | {' + '.join(r['types'])} | {r['cold_s']:.1f} ({br['cold']}) | "
-                     f"{r['warm_s']:.1f} ({br['warm']}) | {r['llamacpp_s']:.1f} ({br['llama.cpp']}) | "
-                     f"**{r['cold_ratio']:.2f}** | **{r['warm_ratio']:.2f}** | {r['kernels_built_cold']} | "
-                     f"{'yes' if all(r['identical'].values()) else 'NO'} |")
+        llama = f"{r['seconds']['llama.cpp']:.1f} ({br['llama.cpp']})"
+        same = "yes" if all(r["identical"].values()) else "NO"
+        for run in ("cold", "cold, own build", "warm", "warm, own build"):
+            lines.append(f"| {r['model']} | {' + '.join(r['types'])} | {run} | {r['seconds'][run]:.1f} ({br[run]}) | "
+                         f"{llama} | **{r['ratio'][run]:.2f}** | {r['kernels_built'].get(run, 0)} | {same} |")
     for note in result.get("notes", []):
         lines.append(f"\nNote: {note}")
     (RESULTS / "gguf_cold_start.md").write_text("\n".join(lines) + "\n")

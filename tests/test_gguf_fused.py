@@ -40,9 +40,9 @@ pytestmark = [
 
 # which fused functions each type goes through (without an importance matrix)
 _FUSED = {
-    QT.Q2_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_q2_finish"),
+    QT.Q2_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_q2_finish"),
     QT.Q3_K: ("_q3_start", "_q3_pass"),
-    QT.Q4_K: ("_qkx_init", "_qkx_candidate", "_qkx_levels", "_k45_finish"),
+    QT.Q4_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_k45_finish"),
     QT.Q6_K: ("_qx_candidate", "_q6_finish"),
     QT.IQ4_NL: ("_iq4_candidate",),
     QT.IQ4_XS: ("_iq4_candidate",),
@@ -95,6 +95,12 @@ def test_fused_kernels_match_llama_cpp_with_imatrix(forced_compile, qtype):
     got = encoders.quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(imatrix))
     want = ref.quantize_ref(x, int(qtype), imatrix)
     assert np.array_equal(got.reshape(want.shape), want)
+
+
+def _forget(f, monkeypatch) -> None:
+    """An encoder's fused step as a new process finds it: no kernel loaded or checked yet."""
+    for slot, empty in (("kernels", {}), ("checked", set()), ("absent", set()), ("ready", {})):
+        monkeypatch.setattr(f, slot, empty)
 
 
 def test_kernel_is_built_once_loaded_later_and_refused_when_wrong(tmp_path, monkeypatch):
@@ -218,14 +224,14 @@ def test_prebuild_builds_what_the_probe_lacks_in_worker_processes(tmp_path, monk
     from quantkit.backends.gguf import fusion
     monkeypatch.setenv("QUANTKIT_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+    monkeypatch.setenv("QUANTKIT_SHIPPED_KERNELS", "0")     # the shipped set would have it
     monkeypatch.setattr(fusion, "_build_failed", False)
 
     def not_here(fn, args, path):
         raise AssertionError("built in the run's own process")
     monkeypatch.setattr(fusion, "_build", not_here)
     f = encoders._qkx_levels
-    for slot, empty in (("kernels", {}), ("checked", set()), ("absent", set())):
-        monkeypatch.setattr(f, slot, empty)
+    _forget(f, monkeypatch)
     g = torch.Generator().manual_seed(0)
 
     def args(m):
@@ -239,3 +245,70 @@ def test_prebuild_builds_what_the_probe_lacks_in_worker_processes(tmp_path, monk
     assert list(f.verdict.values()) == [True]
     assert fusion.prebuild(lambda: f(*probe)) == 0          # nothing left to build
 
+
+
+_FRESH_MACHINE = """
+import sys
+from pathlib import Path
+from quantkit.backends.gguf import encoders, fusion
+from quantkit.backends.gguf.kernel_samples import EVERY_KIND, encode_samples
+
+def no_build(*args):
+    raise AssertionError("a kernel was built: the shipped set lacks it (run make kernels)")
+fusion._build = no_build
+encode_samples(EVERY_KIND)
+used = {(f.fn.__name__, str(spec)): ok for f in fusion._ALL for spec, ok in f.verdict.items()}
+assert used and all(used.values()), used
+assert all(f.checked for f in fusion._ALL if f.kernels), "every kernel used was held to the eager bits"
+assert not any(Path(sys.argv[1]).rglob("*.pt2")), "nothing is written to the machine's own folder"
+print(len(used))
+"""
+
+
+def _shipped_torch_versions() -> set[str]:
+    from quantkit.backends.gguf import fusion
+    return {d.name.split("-")[1] for d in fusion.SHIPPED.glob("torch-*")}
+
+
+@pytest.mark.skipif(not __import__("quantkit.backends.gguf.fusion", fromlist=["_runs_shipped"])._runs_shipped(),
+                    reason="this CPU cannot run the shipped kernels (x86-64 with AVX2 only): it builds its own")
+def test_a_new_machine_runs_the_shipped_kernels_and_builds_none(tmp_path):
+    """The contract of the shipped set (fusion.SHIPPED, `make kernels`): on a machine whose own kernel folder is
+    empty, every kind of fused encode (every fused type, with and without an importance vector) finds its
+    kernels there, none is built, and each passes its bit-for-bit check.  Fails when the encoders changed and
+    the set was not rebuilt."""
+    import subprocess
+    import torch as _torch
+    version = _torch.__version__.split("+")[0]
+    if _shipped_torch_versions() and version not in _shipped_torch_versions():
+        pytest.skip(f"the shipped kernels are for torch {sorted(_shipped_torch_versions())}, this is {version}")
+    env = {**os.environ, "QUANTKIT_KERNEL_DIR": str(tmp_path), "QUANTKIT_COMPILE": "1"}
+    env.pop("QUANTKIT_SHIPPED_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", _FRESH_MACHINE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 9          # the K-quant and IQ4 steps, each in the forms the types use
+
+
+def test_the_shipped_set_is_left_aside_when_asked_or_unusable(tmp_path, monkeypatch):
+    """QUANTKIT_SHIPPED_KERNELS=0, or a CPU without the shipped set's instructions: the kernel is built for this
+    machine as before (here the build is a stub that records it)."""
+    from quantkit.backends.gguf import fusion
+    monkeypatch.setenv("QUANTKIT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTKIT_COMPILE", "1")
+    monkeypatch.setattr(fusion, "_build_failed", False)
+    built = []
+    monkeypatch.setattr(fusion, "_build", lambda fn, args, path, portable=False: built.append(path))
+    f = encoders._qx_candidate
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 4096, generator=g)
+    for how in ("env", "cpu"):
+        _forget(f, monkeypatch)
+        if how == "env":
+            monkeypatch.setenv("QUANTKIT_SHIPPED_KERNELS", "0")
+        else:
+            monkeypatch.delenv("QUANTKIT_SHIPPED_KERNELS")
+            monkeypatch.setattr(fusion, "_runs_shipped", lambda: False)
+        encoders.quantize(x, QT.Q6_K)
+        assert built and all(p.is_relative_to(tmp_path) for p in built), how
+        built.clear()

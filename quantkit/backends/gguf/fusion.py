@@ -29,8 +29,10 @@ missing ones only when the planned conversion is large enough for that to pay
 are already fused enough, and Triton's float division is not guaranteed to be
 correctly rounded.
 
-Building costs 7-18 s per kernel on 2 cores (once ~8 s more for Inductor's CPU
-probe); a K-quant file type uses 4-9 kernels, built once per machine.
+Building costs 10-100 s per kernel on 2 cores (the candidate-search runs are the
+long ones; once ~8 s more for Inductor's CPU probe); a K-quant file type uses
+4-9 kernels.  quantkit ships them built for x86-64 CPUs with AVX2 (see SHIPPED),
+so on those only another torch or changed encoders build anything.
 """
 
 from __future__ import annotations
@@ -56,16 +58,17 @@ __all__ = ["fused", "compile_mode", "plan_work", "will_compile", "would_compile"
 log = logging.getLogger("quantkit")
 
 
-# Building a kernel costs ~12 s (2 cores), once per machine, so by default
-# (QUANTKIT_COMPILE=auto) missing kernels are built only when the planned run
-# encodes at least this many elements in fused types: about 10 s of eager work.
+# Building a kernel costs 10-100 s (2 cores), once per machine where the shipped
+# set does not serve, so by default (QUANTKIT_COMPILE=auto) missing kernels are
+# built only when the planned run encodes at least this many elements in fused
+# types: about 10 s of eager work, and more for every later run.
 # Kernels built earlier are used by every run.  Which path runs changes the
 # speed, never the bytes.
 AUTO_MIN_ELEMENTS = 100_000_000
 _planned_elements = 0
-# what building one kernel takes on a 2-core machine (measured: bench/results/preflight.md), for the dry run's
-# time estimate of a first run
-BUILD_SECONDS = 12.0
+# what each round of building (one kernel per core) adds to a first run on a 2-core machine, for the dry run's
+# time estimate (measured: bench/results/gguf_cold_start.md, the own-build cold run against the warm one)
+BUILD_SECONDS = 35.0
 _ALL: list = []           # every fused function, for missing_kernels()
 
 
@@ -119,23 +122,64 @@ _INDUCTOR_OPTIONS = {"max_fusion_size": 1 << 16, "emulate_precision_casts": True
 
 
 @functools.cache
-def _machine_key() -> str:
-    """What a built kernel depends on besides its function: torch, this CPU
-    (kernels are built with -march=native), the thread count baked into the
-    loops' schedule, and the source of the fused functions."""
+def _source_key() -> str:
+    """What every built kernel depends on besides the machine: torch, Inductor's options and the source of the
+    fused functions."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for f in ("fusion.py", "encoders.py", "exact.py"):
         h.update((here / f).read_bytes())
-    cpu = platform.processor()
+    h.update(f"{torch.__version__}|{_INDUCTOR_OPTIONS}|{_PORTABLE}|{_PORTABLE_ISA}".encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _cpu_description() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
             lines = fh.read().splitlines()
-        cpu = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags", "Features"))
+        return "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags", "Features"))
     except OSError:
-        pass
-    h.update(f"{torch.__version__}|{platform.machine()}|{cpu}|{os.cpu_count()}|{_INDUCTOR_OPTIONS}".encode())
+        return platform.processor()
+
+
+@functools.cache
+def _machine_key() -> str:
+    """What a kernel built here depends on besides its function: this CPU (kernels are built with
+    -march=native) and the thread count baked into the loops' schedule."""
+    h = hashlib.sha256(f"{_source_key()}|{platform.machine()}|{_cpu_description()}|{os.cpu_count()}".encode())
     return h.hexdigest()[:16]
+
+
+# The kernels quantkit ships (quantkit/backends/gguf/kernels, built by `make kernels`): a first run on a new
+# machine would otherwise spend a minute or two building them.  They are built for any x86-64 CPU with AVX2
+# (x86-64-v3: -march and Inductor's vector ISA) with the thread count read when they run, so one build serves
+# every such machine (measured: as fast as a -march=native AVX-512 build or faster).  Where it has the kernel,
+# it comes before the machine's own build; other CPUs, or another torch, build their own as before.
+SHIPPED = Path(__file__).resolve().parent / "kernels"
+_PORTABLE = {"cpp.march": "x86-64-v3", "cpp.dynamic_threads": True}
+_PORTABLE_ISA = "avx2"                # ATEN_CPU_CAPABILITY, which Inductor reads once per process
+_PORTABLE_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})  # x86-64-v3
+
+
+def shipped_dir() -> Path:
+    return SHIPPED / f"torch-{torch.__version__.split('+')[0]}-{_source_key()}"
+
+
+def _use_shipped() -> bool:
+    """Whether the shipped set is looked at: QUANTKIT_SHIPPED_KERNELS=0 leaves it aside (a benchmark's cold
+    start without it), and so does a CPU that cannot run it."""
+    return os.environ.get("QUANTKIT_SHIPPED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off") \
+        and _runs_shipped()
+
+
+@functools.cache
+def _runs_shipped() -> bool:
+    """Whether this CPU runs the shipped kernels' instructions (a missing one would crash, not fail a check)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = next((ln.split(":", 1)[1].split() for ln in _cpu_description().split("|") if ln.startswith("flags")), [])
+    return _PORTABLE_FLAGS <= set(flags)
 
 
 def kernel_dir() -> Path:
@@ -166,6 +210,7 @@ class _Graph(torch.nn.Module):
 _LOADER = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
 _build_failed = False     # one failed build (no C++ compiler, ...) stops further attempts in this process
 _wanted: dict | None = None   # while prebuild's probe runs: package path -> (fused function, example arguments)
+_shipping = False             # while ship() runs: kernels are looked for (and built) in the shipped set only
 
 
 def _may_build() -> bool:
@@ -196,9 +241,11 @@ def _shape(t: torch.Tensor, m: int) -> tuple:
     return tuple(t.shape[:-1]) + ("blocks",) if _ends_in_blocks(t, m) else tuple(t.shape)
 
 
-def _build(fn: Callable, args: tuple, path: Path) -> None:
-    """Export fn for these constants and shapes, the last dimension symbolic, and build it into a package at path."""
+def _build(fn: Callable, args: tuple, path: Path, portable: bool = False) -> None:
+    """Export fn for these constants and shapes, the last dimension symbolic, and build it into a package at
+    path; `portable`: for the shipped set (the process runs with ATEN_CPU_CAPABILITY set to _PORTABLE_ISA)."""
     import torch._inductor
+    import torch._inductor.config
     template = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
     blocks = torch.export.Dim("blocks", min=_MIN_COLUMNS)
@@ -211,11 +258,38 @@ def _build(fn: Callable, args: tuple, path: Path) -> None:
         fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)   # another process may build it too
         os.close(fd)
         try:
-            torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=dict(_INDUCTOR_OPTIONS))  # it adds keys
+            with torch._inductor.config.patch(_PORTABLE if portable else {}):
+                # a copy of the options: it adds keys
+                torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=dict(_INDUCTOR_OPTIONS))
+            if portable:
+                _strip_libraries(tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _strip_libraries(package: str) -> None:
+    """Drop the symbol tables from a package's shared libraries (a shipped kernel: 1.7 MB -> 0.4 MB); the
+    package stays an uncompressed zip, which is what torch's loader reads.  Without `strip`, left as it is."""
+    import shutil
+    import zipfile
+    if shutil.which("strip") is None:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(package) as z:
+            entries = [(info, z.read(info)) for info in z.infolist()]
+        out = []
+        for info, data in entries:
+            if info.filename.endswith(".so"):
+                lib = Path(tmp) / "lib.so"
+                lib.write_bytes(data)
+                subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True, capture_output=True)
+                data = lib.read_bytes()
+            out.append((info, data))
+        with zipfile.ZipFile(package, "w", zipfile.ZIP_STORED) as z:
+            for info, data in out:
+                z.writestr(info, data)
 
 
 class _Fused:
@@ -236,6 +310,9 @@ class _Fused:
         self.kernels: dict = {}         # specialization -> _Kernel, or None (refused / unavailable)
         self.checked: set = set()       # (specialization, tail?) already held to the eager result
         self.absent: set = set()        # specializations with no package, while building is off
+        # argument layouts (shapes, strides, dtypes, constants) whose kernel is loaded and checked -> (kernel,
+        # specialization): such a call skips the bookkeeping below, which cost ~15 % of a kernel's run time
+        self.ready: dict = {}
 
     @property
     def verdict(self) -> dict:
@@ -247,9 +324,9 @@ class _Fused:
         return tuple((_shape(a, args[0].shape[-1]), a.dtype) if isinstance(a, torch.Tensor) else ("v", a)
                      for a in args)
 
-    def _path(self, spec: tuple) -> Path:
+    def _path(self, spec: tuple, folder: Path) -> Path:
         name = f"{self.fn.__module__}.{self.fn.__qualname__}|{spec}"
-        return kernel_dir() / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
+        return folder / f"{self.fn.__name__}-{hashlib.sha256(name.encode()).hexdigest()[:16]}.pt2"
 
     def _load(self, args, spec) -> tuple:
         """(kernel or None, settled?).  Not settled: no package and building is
@@ -257,8 +334,12 @@ class _Fused:
         global _build_failed
         if _LOADER is None:
             return None, True
-        path = self._path(spec)
+        path = self._path(spec, shipped_dir() if _shipping else kernel_dir())
         try:
+            # the shipped kernel first: on the one machine measured, a whole run was ~20 % faster with it than
+            # with one built there for -march=native (bench/results/gguf_cold_start.md)
+            if not _shipping and _use_shipped() and self._path(spec, shipped_dir()).exists():
+                path = self._path(spec, shipped_dir())
             if not path.exists():
                 if not _may_build():
                     return None, False
@@ -273,7 +354,8 @@ class _Fused:
             try:
                 return _Kernel(path), True
             except Exception:           # a damaged package file: drop it, a later large run rebuilds it
-                path.unlink(missing_ok=True)
+                if not path.is_relative_to(SHIPPED):     # what was installed stays as installed
+                    path.unlink(missing_ok=True)
                 raise
         except Exception:               # no C++ compiler, unsupported torch, ...: stay eager
             return None, True
@@ -282,7 +364,12 @@ class _Fused:
         if not isinstance(args[0], torch.Tensor) or args[0].device.type != "cpu" or compile_mode() == "never" \
                 or not _kernel_shape(args[0].shape[-1]):
             return self.eager(*args)
+        layout = tuple((a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        ready = self.ready.get(layout)
+        if ready is not None:
+            return ready[0](args)
         # the kernels were built for contiguous inputs
+        contiguous = all(a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         spec = self._key(args)
         if spec not in self.kernels:
@@ -299,6 +386,10 @@ class _Fused:
             return self.eager(*args)
         check = (spec, args[0].shape[-1] % _VECTOR_BLOCKS != 0)
         if check in self.checked:
+            if contiguous:
+                if len(self.ready) >= 256:      # block counts seen: a few per tensor shape
+                    self.ready.clear()
+                self.ready[layout] = (kernel, spec)
             return kernel(args)
         self.checked.add(check)
         want = self.eager(*args)
@@ -308,6 +399,7 @@ class _Fused:
             got = None
         if not _bits_equal(want, got):
             self.kernels[spec] = None
+            self.ready = {k: v for k, v in self.ready.items() if v[1] != spec}
         return want
 
 
@@ -316,12 +408,13 @@ class _Fused:
 _VECTOR_BLOCKS = 64
 
 
-def prebuild(probe: Callable[[], None]) -> int:
+def prebuild(probe: Callable[[], None], portable: bool = False) -> int:
     """Build the kernels a run will build, before it starts, in parallel processes (one per core): `probe`
     encodes a sample of each type the run encodes, which records the kernels it lacks instead of building
     them.  Each build is one core's work (tracing, code generation, a compiler), so the cores build side by
     side what the run would otherwise build one at a time between its encodes.  Returns the number built;
-    any a worker could not build are built (or refused) by the run itself, as without prebuild."""
+    any a worker could not build are built (or refused) by the run itself, as without prebuild.  `portable`:
+    the workers build the shipped set's kind (ship())."""
     global _wanted
     if _LOADER is None or not _may_build():
         return 0
@@ -336,11 +429,13 @@ def prebuild(probe: Callable[[], None]) -> int:
     log.info(f"building {len(wanted)} fused CPU kernels for this machine, {workers} at a time (once per machine)")
     # one compiler at a time per worker: Inductor's own compile pool would only add processes to start
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    if portable:
+        env["ATEN_CPU_CAPABILITY"] = _PORTABLE_ISA
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:
             for i in range(workers):
-                share = [(f.fn.__module__, f.fn.__name__, args, str(path))
+                share = [(f.fn.__module__, f.fn.__name__, args, str(path), portable)
                          for path, (f, args) in list(wanted.items())[i::workers]]
                 job = Path(tmp) / f"job{i}.pt"
                 torch.save(share, job)
@@ -357,10 +452,33 @@ def prebuild(probe: Callable[[], None]) -> int:
 
 
 def _build_jobs(job: str) -> None:
-    """A prebuild worker: build each (module, function, example arguments, path) of the job file."""
+    """A prebuild worker: build each (module, function, example arguments, path, portable?) of the job file."""
     torch.set_num_threads(1)
-    for module, name, args, path in torch.load(job, weights_only=True):
-        _build(getattr(importlib.import_module(module), name).fn, args, Path(path))
+    for module, name, args, path, portable in torch.load(job, weights_only=True):
+        _build(getattr(importlib.import_module(module), name).fn, args, Path(path), portable)
+
+
+def ship(probe: Callable[[], None]) -> tuple[int, int]:
+    """Build the shipped set (`make kernels`): every kernel `probe` wants that the set for this torch and source
+    lacks, portable, in worker processes; sets for other sources or torch versions are removed.  Returns
+    (built, wanted)."""
+    global _shipping, _wanted
+    import shutil
+    os.environ["QUANTKIT_COMPILE"] = "1"
+    for old in SHIPPED.glob("torch-*"):
+        if old != shipped_dir():
+            shutil.rmtree(old)
+    _shipping = True
+    try:
+        built = prebuild(probe, portable=True)
+        _wanted = {}
+        try:
+            probe()
+        finally:
+            wanted, _wanted = _wanted, None
+    finally:
+        _shipping = False
+    return built, built + len(wanted)
 
 
 def build_workers() -> int:

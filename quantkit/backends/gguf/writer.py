@@ -23,6 +23,7 @@ from ...model.checkpoint import Checkpoint
 from ...progress import Progress
 from . import encoders, fusion
 from .metadata import add_hparams, add_tokenizer
+from .kernel_samples import encode_samples
 from .split import part_path, partition, split_keys
 from .tensors import GGUFTensor, load_source
 
@@ -114,10 +115,7 @@ def _probe_encoders(tensors: list[GGUFTensor], jobs: list[FileJob], imatrix: dic
             weighted = bool(weights) and (any(n in weights for n in t.stack) if t.stack else t.source in weights)
             if q in encoders.FUSED_TYPES:
                 kinds.add((q, weighted))
-    # rows of 1536 take every block size; 48 of them give each step a few hundred blocks
-    x = torch.randn(48, 1536, generator=torch.Generator().manual_seed(0))
-    for q, weighted in kinds:
-        encoders.quantize(x, q, imatrix=torch.rand(1536) + 0.1 if weighted else None)
+    encode_samples(kinds)
 
 
 def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob], *, name: str,
