@@ -23,7 +23,7 @@ for _p in (os.path.dirname(_HERE), _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from quantkit.backends.gguf import encoders  # noqa: E402
+from quantkit.backends.gguf import encoders, fusion  # noqa: E402
 
 try:
     from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
@@ -246,7 +246,6 @@ def test_prebuild_builds_what_the_probe_lacks_in_worker_processes(tmp_path, monk
     assert fusion.prebuild(lambda: f(*probe)) == 0          # nothing left to build
 
 
-
 _FRESH_MACHINE = """
 import sys
 from pathlib import Path
@@ -266,11 +265,10 @@ print(len(used))
 
 
 def _shipped_torch_versions() -> set[str]:
-    from quantkit.backends.gguf import fusion
     return {d.name.split("-")[1] for d in fusion.SHIPPED.glob("torch-*")}
 
 
-@pytest.mark.skipif(not __import__("quantkit.backends.gguf.fusion", fromlist=["_runs_shipped"])._runs_shipped(),
+@pytest.mark.skipif(not fusion._runs_shipped(),
                     reason="this CPU cannot run the shipped kernels (x86-64 with AVX2 only): it builds its own")
 def test_a_new_machine_runs_the_shipped_kernels_and_builds_none(tmp_path):
     """The contract of the shipped set (fusion.SHIPPED, `make kernels`): on a machine whose own kernel folder is
