@@ -66,18 +66,12 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, repeat
         built[name].append(sum(1 for _ in kernels.rglob("*.pt2")))
         return wall
 
-    def cold() -> float:
-        return first("cold", qk_env)
-
-    def cold_own() -> float:
-        return first("cold, own build", own_env)
-
     def warm() -> float:
         return run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=qk_env)[0]
 
     def warm_own() -> float:
         if not any(kernels.rglob("*.pt2")):       # it follows a run that built them
-            cold_own()
+            first("cold, own build", own_env)
         return run_fresh(qk_cmd, qk_out.glob("*.gguf"), env=own_env)[0]
 
     def llama() -> float:
@@ -89,7 +83,8 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, repeat
                               [ref])[0]
         return wall
 
-    steps = [("cold", cold), ("cold, own build", cold_own), ("warm", warm), ("warm, own build", warm_own),
+    steps = [("cold", lambda: first("cold", qk_env)), ("cold, own build", lambda: first("cold, own build", own_env)),
+             ("warm", warm), ("warm, own build", warm_own),
              ("llama.cpp", llama)]
     runs: dict[str, list[float]] = {name: [] for name, _ in steps}
     for i in range(repeats):

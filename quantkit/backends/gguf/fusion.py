@@ -90,11 +90,18 @@ def would_compile(elements: int) -> bool:
     return mode == "always" or (mode == "auto" and elements >= AUTO_MIN_ELEMENTS)
 
 
+_OFF = ("0", "false", "no", "off", "never")
+
+
+def _switched_off(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().lower() in _OFF
+
+
 def compile_mode() -> str:
     """QUANTKIT_COMPILE: 0 = never, 1 = from the first call, auto (default) = once the work pays."""
-    v = os.environ.get("QUANTKIT_COMPILE", "auto").strip().lower()
-    if v in ("0", "false", "no", "off", "never"):
+    if _switched_off("QUANTKIT_COMPILE"):
         return "never"
+    v = os.environ.get("QUANTKIT_COMPILE", "auto").strip().lower()
     if v in ("1", "true", "yes", "on", "always"):
         return "always"
     return "auto"
@@ -169,8 +176,7 @@ def shipped_dir() -> Path:
 def _use_shipped() -> bool:
     """Whether the shipped set is looked at: QUANTKIT_SHIPPED_KERNELS=0 leaves it aside (a benchmark's cold
     start without it), and so does a CPU that cannot run it."""
-    return os.environ.get("QUANTKIT_SHIPPED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off") \
-        and _runs_shipped()
+    return not _switched_off("QUANTKIT_SHIPPED_KERNELS") and _runs_shipped()
 
 
 @functools.cache
@@ -334,12 +340,13 @@ class _Fused:
         global _build_failed
         if _LOADER is None:
             return None, True
-        path = self._path(spec, shipped_dir() if _shipping else kernel_dir())
+        shipped = self._path(spec, shipped_dir())
+        path = shipped if _shipping else self._path(spec, kernel_dir())
         try:
             # the shipped kernel first: on the one machine measured, a whole run was ~20 % faster with it than
             # with one built there for -march=native (bench/results/gguf_cold_start.md)
-            if not _shipping and _use_shipped() and self._path(spec, shipped_dir()).exists():
-                path = self._path(spec, shipped_dir())
+            if not _shipping and _use_shipped() and shipped.exists():
+                path = shipped
             if not path.exists():
                 if not _may_build():
                     return None, False
