@@ -51,17 +51,24 @@ def main(out_dir: Path) -> None:
         ref = None
     g = torch.Generator().manual_seed(0)
     rows, cols = (64, 512) if os.environ.get("QUANTKIT_GPU_CHECK_SMALL") else (2048, 5632)
-    x = (torch.randn(rows, cols, generator=g) * (1 + torch.rand(rows, cols, generator=g))).float()
+    full = (torch.randn(rows, cols, generator=g) * (1 + torch.rand(rows, cols, generator=g))).float()
+    # every quantized type with an importance matrix (the IQ1/IQ2 types refuse to run without one; the others
+    # take the weighted search an imatrix run takes); the unweighted paths were checked on 2026-12-01
+    importance = torch.rand(cols, generator=g) + 0.1
     for qtype in ([] if os.environ.get("QUANTKIT_GPU_SKIP_ENCODERS") else sorted(encoders.SUPPORTED, key=lambda t: t.name)):
-        cpu, t_cpu = timed(lambda: encoders.quantize(x, qtype), False)
-        row = {"cpu_s": round(t_cpu, 3)}
+        # the lattice (IQ1-IQ3) searches run eagerly here (QUANTKIT_COMPILE=0) and took up to 145 s for 256 rows
+        # on the device's busy CPU (2026-12-04): fewer rows for them
+        x = full[:64] if qtype.name[:3] in ("IQ1", "IQ2", "IQ3") else full
+        weights = None if qtype.name in ("F32", "F16", "BF16") else importance
+        cpu, t_cpu = timed(lambda: encoders.quantize(x, qtype, imatrix=weights), False)
+        row = {"rows": x.shape[0], "cpu_s": round(t_cpu, 3)}
         if cuda:
             xc = x.cuda()
-            encoders.quantize(xc[:256], qtype)  # warm-up (kernels, allocator)
-            gpu, t_gpu = timed(lambda: encoders.quantize(xc, qtype), True)
+            encoders.quantize(xc[:64], qtype, imatrix=weights)  # warm-up (kernels, allocator)
+            gpu, t_gpu = timed(lambda: encoders.quantize(xc, qtype, imatrix=weights), True)
             row.update(cuda_s=round(t_gpu, 4), speedup=round(t_cpu / t_gpu, 1), cuda_equals_cpu=bool((gpu == cpu).all()))
         if ref is not None:
-            theirs = ref.quantize_ref(x.numpy(), int(qtype))
+            theirs = ref.quantize_ref(x.numpy(), int(qtype), None if weights is None else weights.numpy())
             row["cpu_equals_llamacpp"] = bool((theirs.reshape(cpu.shape) == cpu).all())
         report["encoders"][qtype.name] = row
         print(qtype.name, row, flush=True)
@@ -95,11 +102,10 @@ def main(out_dir: Path) -> None:
                                                      device="cuda"), True)
         report["calibration_self_cuda"] = {"shape": list(cal.tokens.shape), "token_hash": cal.token_hash,
                                            "seconds": round(secs, 2)}
-    try:  # one failing section must not lose what the others measured
-        report["gptq"] = gptq_check(src, text, tokens, out_dir, cuda)
-    except Exception as e:
-        report["gptq"] = {"error": f"{type(e).__name__}: {e}"[:800]}
-    for name, check in (("awq", awq_check), ("exl2", exl2_check)):
+    for name, check in (("gptq", gptq_check), ("awq", awq_check), ("exl2", exl2_check)):
+        # the report is saved after each section: one failing or cut short by the device's time limit must
+        # not lose what the others measured
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
         try:
             report[name] = check(src, text, tokens, out_dir, cuda)
         except Exception as e:
@@ -158,6 +164,8 @@ def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, reader, tokens: 
 def awq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
     from quantkit.backends.awq.reader import AWQCheckpoint
     folder, result, ours = _calibrated(src, text, out_dir, "awq:4bit-g128", AWQCheckpoint, tokens, cuda)
+    r = evaluate(AWQCheckpoint(folder), tokens, base=Checkpoint(src))
+    result["quality"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
     result["vllm"] = _vllm_agreement(folder, tokens, ours, quantization="awq")
     return result
 
@@ -166,7 +174,50 @@ def exl2_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
     from quantkit.backends.exl2.reader import EXL2Checkpoint
     folder, result, ours = _calibrated(src, text, out_dir, "exl2:4.0bpw", EXL2Checkpoint, tokens, cuda)
     result["achieved_bpw"] = json.loads((folder / "quantkit.json").read_text())["achieved_bpw"]
+    base = Checkpoint(src)
+    r = evaluate(EXL2Checkpoint(folder), tokens, base=base)
+    result["quality"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
     result["exllamav2"] = _exllamav2_agreement(folder, tokens, ours)
+    if cuda:
+        result["exllamav2_converter"] = _exllamav2_convert(src, text, out_dir, tokens, base)
+    return result
+
+
+def _exllamav2_convert(src: Path, text: Path, out_dir: Path, tokens: torch.Tensor, base) -> dict:
+    """The anchor: exllamav2 0.3.2's own converter on the same model, 4.0 bpw, head 6 bits, the same
+    calibration text at the same rows x length; its folder read back by quantkit's reader (the reader is
+    meant for any exllamav2 folder) and run in exllamav2."""
+    import subprocess
+    from quantkit.backends.exl2.reader import EXL2Checkpoint
+    from quantkit.eval.harness import window_logits
+    import importlib.util
+    if importlib.util.find_spec("exllamav2") is None:
+        return {"available": False, "why": "exllamav2 is not installed"}
+    import pandas
+    opts = _calib_options(text, out_dir)
+    cal = out_dir / "calib.parquet"
+    pandas.DataFrame({"text": [t for t in Path(opts["calib"]).read_text().split("\n\n") if t.strip()]}).to_parquet(cal)
+    work, folder = out_dir / "exllamav2-work", out_dir / "exllamav2-4.0bpw"
+    rows, length = str(opts["calib_samples"]), str(opts["calib_seqlen"])
+    cmd = [sys.executable, "-m", "exllamav2.conversion.convert_exl2", "-i", str(src), "-o", str(work), "-nr",
+           "-cf", str(folder), "-c", str(cal), "-b", "4.0", "-hb", "6", "-r", rows, "-l", length, "-mr", rows,
+           "-ml", length]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    result = {"seconds": round(time.perf_counter() - t0, 2), "rc": proc.returncode}
+    (out_dir / "exllamav2_convert.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not (folder / "config.json").is_file():
+        result["error"] = (proc.stdout + proc.stderr)[-800:]
+        return result
+    try:
+        theirs_read_by_us = EXL2Checkpoint(folder)
+        r = evaluate(theirs_read_by_us, tokens, base=base)
+        result["quality_read_by_quantkit"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld,
+                                              "top1_vs_base": r.top1_agreement}
+        ours = [w.argmax(-1) for w in window_logits(theirs_read_by_us, tokens)]
+        result["exllamav2_runs_its_own_folder"] = _exllamav2_agreement(folder, tokens, ours)
+    except Exception as e:
+        result["read_error"] = f"{type(e).__name__}: {e}"[:800]
     return result
 
 

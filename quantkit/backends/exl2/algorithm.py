@@ -115,6 +115,7 @@ def find_scales(x: torch.Tensor, bits: int, coarse: int = 8) -> tuple[torch.Tens
 def quantize(W: torch.Tensor, prep: Prepared, layout: RowLayout) -> EXL2Linear:
     """Quantize W (N, K) under `layout` with the shared permutation and factor; see the module docstring."""
     N, K = W.shape
+    W = W.to(prep.perm.device)       # the work runs where the Hessian's factor is (the job's device)
     if not torch.isfinite(W).all():
         raise QuantizationError("the weights contain NaN or inf")
     weights = W.float().t()[prep.perm].contiguous()                  # (K, N), processing order
