@@ -8,7 +8,7 @@ perplexity, mean KL divergence, top-1 agreement, file size.  The time reference 
 (gptq:4bit-g128) on the same model and tokens (goal: error feedback ≤ 1.5× its time).
 
     python bench/gguf_feedback.py [--models demo,qwen] [--types Q4_K_M,Q3_K_M,Q2_K] [--samples 128]
-                                  [--seqlen 512] [--windows 40]
+                                  [--seqlen 512] [--windows 40] [--no-reference]
 
 qwen is Qwen2.5-Coder-1.5B-Instruct as ../shared/models/build.sh builds it.  Each step runs in its own process
 (bench/measure.py: wall time, peak RSS); the rows of models not rerun are kept from the committed results.
@@ -64,13 +64,14 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
     spec = model_spec(name)
     calib = ["--calib", str(CALIB), "--calib-samples", str(a.samples), "--calib-seqlen", str(a.seqlen), "--seed", "0"]
     rows = []
-    out = WORK / name / "gptq"
-    wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", "gptq:4bit-g128", "--no-resume", *calib])
     protocol = {"date": dt.date.today().isoformat(), "calibration": f"{a.samples} × {a.seqlen}",
                 "windows": a.windows}
-    rows.append({"model": name, "type": "gptq:4bit-g128", "method": "GPTQ (time reference)", "wall_s": round(wall, 1),
-                 "peak_rss_gib": round(rss / 2**30, 3), **protocol})
-    print(rows[-1], flush=True)
+    if a.reference:
+        out = WORK / name / "gptq"
+        wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", "gptq:4bit-g128", "--no-resume", *calib])
+        rows.append({"model": name, "type": "gptq:4bit-g128", "method": "GPTQ (time reference)",
+                     "wall_s": round(wall, 1), "peak_rss_gib": round(rss / 2**30, 3), **protocol})
+        print(rows[-1], flush=True)
     for ftype in types:
         for method, flags in METHODS.items():
             out = WORK / name / method.replace(" ", "-")
@@ -135,6 +136,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="keep the committed GPTQ time reference of the model instead of rerunning it")
     ap.add_argument("--render", action="store_true", help="only rewrite the Markdown from the committed JSON")
     a = ap.parse_args()
     if a.render:
@@ -144,7 +147,7 @@ def main() -> None:
     models = a.models.split(",")
     old = RESULTS / "gguf_feedback.json"
     types = a.types.split(",")
-    rerun = lambda r: r["model"] in models and (r["type"] in types or r["type"].startswith("gptq"))
+    rerun = lambda r: r["model"] in models and (r["type"] in types or (a.reference and r["type"].startswith("gptq")))
     kept = [r for r in json.loads(old.read_text())["rows"] if not rerun(r)] if old.exists() else []
     rows = kept
     for m in models:

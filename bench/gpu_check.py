@@ -164,8 +164,7 @@ def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, reader, tokens: 
 def awq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
     from quantkit.backends.awq.reader import AWQCheckpoint
     folder, result, ours = _calibrated(src, text, out_dir, "awq:4bit-g128", AWQCheckpoint, tokens, cuda)
-    r = evaluate(AWQCheckpoint(folder), tokens, base=Checkpoint(src))
-    result["quality"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
+    result["quality"] = _quality(AWQCheckpoint(folder), tokens, Checkpoint(src))
     result["vllm"] = _vllm_agreement(folder, tokens, ours, quantization="awq")
     return result
 
@@ -175,8 +174,7 @@ def exl2_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
     folder, result, ours = _calibrated(src, text, out_dir, "exl2:4.0bpw", EXL2Checkpoint, tokens, cuda)
     result["achieved_bpw"] = json.loads((folder / "quantkit.json").read_text())["achieved_bpw"]
     base = Checkpoint(src)
-    r = evaluate(EXL2Checkpoint(folder), tokens, base=base)
-    result["quality"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
+    result["quality"] = _quality(EXL2Checkpoint(folder), tokens, base)
     result["exllamav2"] = _exllamav2_agreement(folder, tokens, ours)
     if cuda:
         result["exllamav2_converter"] = _exllamav2_convert(src, text, out_dir, tokens, base)
@@ -211,14 +209,17 @@ def _exllamav2_convert(src: Path, text: Path, out_dir: Path, tokens: torch.Tenso
         return result
     try:
         theirs_read_by_us = EXL2Checkpoint(folder)
-        r = evaluate(theirs_read_by_us, tokens, base=base)
-        result["quality_read_by_quantkit"] = {"perplexity": r.perplexity, "mean_kld": r.mean_kld,
-                                              "top1_vs_base": r.top1_agreement}
+        result["quality_read_by_quantkit"] = _quality(theirs_read_by_us, tokens, base)
         ours = [w.argmax(-1) for w in window_logits(theirs_read_by_us, tokens)]
         result["exllamav2_runs_its_own_folder"] = _exllamav2_agreement(folder, tokens, ours)
     except Exception as e:
         result["read_error"] = f"{type(e).__name__}: {e}"[:800]
     return result
+
+
+def _quality(model, tokens: torch.Tensor, base) -> dict:
+    r = evaluate(model, tokens, base=base)
+    return {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
 
 
 def _top1(theirs: list[torch.Tensor], ours: list[torch.Tensor]) -> float:
