@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The device check, run on the lent GPU machine from the repo root:
 #   carry .gpu/ (gguf, exllamav2 and its converter's fastparquet + cramjam wheels, llama.cpp's libggml-base.so
-#   built here); results land in $OUT.
+#   built here); results land in $OUT.  Making .gpu/ here (about a minute; the device cannot reach PyPI):
+#     echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu
+#     cp -L "$(python -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')/lib/libggml-base.so" .gpu/
+#     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .gpu gguf==0.19.0 exllamav2==0.3.2 fastparquet cramjam
+#   Then one `run` of `bash bench/gpu_check.sh 2>&1` with carry [".gpu"] and timeout_s 590: the device's 15
+#   minutes hold one such run and the machine's start, not two.
 # exllamav2 is a pure-Python wheel that JIT-compiles its CUDA extension on first import: that build starts in
 # the background (for this GPU's architecture only) while the CUDA path is checked, and the exllamav2 step
 # at the end waits for it (torch's extension lock).
