@@ -247,7 +247,7 @@ def convert(model: str = typer.Argument(..., help="Model folder, Hub id or demo:
             return
         for p in plans:
             _render_plan(p)
-        out.print(f"[bold]the run[/]: " + "; ".join(run.lines()), highlight=False)
+        out.print("[bold]the run[/]: " + "; ".join(run.lines()), highlight=False)
         out.print(f"  here: {room['disk_free_bytes'] / 2**30:.2f} GiB free disk at {output}, "
                   f"{room['ram_available_bytes'] / 2**30:.2f} GiB RAM available"
                   + (f"; [red]refused[/]: {room['refused']}" if room["refused"] else "; it fits"), highlight=False)

@@ -185,6 +185,25 @@ def column_loop_cost(quantize_rows, rows: int, columns: int):
     return lambda r, c: c * (per_column + per_weight * r)
 
 
+def layer_column_loop_seconds(groups: dict, quantize, device) -> float:
+    """Seconds of a column-by-column quantizer over one layer's linears here.  `groups` maps a key whose first
+    item is the input width (the rest: what else changes the cost, e.g. a GGUF type) to its linears; each key is
+    probed once, `quantize(w, h, key)` on random weights as tall as its tallest linear, since the error feedback
+    into the columns not yet quantized makes a weight's cost grow with the width (one probe at 1024 columns
+    read the synthetic llama's 4096-wide down_proj at 0.7x)."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    total = 0.0
+    for key, same in groups.items():
+        k, n = key[0], max(lin.out_features for lin in same)
+        x = torch.randn(2 * k, k, generator=gen)
+        h = (x.T @ x / x.shape[0]).to(device)
+        w = torch.randn(n, k, generator=gen).to(device)
+        cost = column_loop_cost(lambda rows, w=w, h=h, key=key: quantize(w[:rows], h, key), n, k)
+        total += sum(cost(lin.out_features, k) for lin in same)
+    return total
+
+
 def calibration_seconds(model, spec) -> float:
     """Loading the tokenizer and drawing the calibration windows, timed here by doing it: for a local text file
     the same work the run does (seconds on a large file); for a Hub dataset or `self` only the tokenizer, since a

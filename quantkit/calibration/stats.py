@@ -74,3 +74,18 @@ def mean_of_sums(sums: np.ndarray, count: int) -> np.ndarray:
     importance-matrix file's sums and token count into the vector it weights with.  The collector's mean is made
     the same way, so that a matrix written to a file and read back is the one the collecting run used, bit for bit."""
     return np.asarray(sums, dtype=np.float32) / np.float32(count)
+
+
+class GroupStats(dict):
+    """Input group (the linears that read one input) -> an accumulator of that input, made on its first batch.
+    A quantizer's job keeps one and pops a group's accumulator when it quantizes that group."""
+
+    def __init__(self, accumulator=HessianAccumulator, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.accumulator, self.device = accumulator, device
+
+    def add(self, group, x: torch.Tensor) -> None:
+        acc = self.get(group.linears)
+        if acc is None:
+            acc = self[group.linears] = self.accumulator(x.shape[-1], self.device)
+        acc.add(x)

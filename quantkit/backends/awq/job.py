@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ...calibration.context import LayerContext
-from ...calibration.stats import HessianAccumulator
+from ...calibration.stats import GroupStats, HessianAccumulator
 from ...errors import QuantizationError
 from ...model.block import Attention, InputGroup
 from ..hf_folder import FolderJob
@@ -48,15 +48,12 @@ class AWQJob(FolderJob):
 
     def __init__(self, model, settings: AWQSettings, variant: str, folder: Path, **kw):
         super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
-        self.stats: dict[tuple[str, ...], InputStats] = {}
+        self.stats = GroupStats(InputStats, self.device)
         self.done: dict[str, Quantized] = {}      # this layer's linears, by name, until finish_layer writes them
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
-        stats = self.stats.get(group.linears)
-        if stats is None:
-            stats = self.stats[group.linears] = InputStats(x.shape[-1], self.device)
-        stats.add(x)
+        self.stats.add(group, x)
 
     def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
         s = self.settings

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ...calibration.context import LayerContext
-from ...calibration.stats import HessianAccumulator
+from ...calibration.stats import GroupStats, HessianAccumulator
 from ...errors import UsageError
 from ...model.block import InputGroup
 from ...model.engine import apply_norm
@@ -50,7 +50,7 @@ class EXL2Job(FolderJob):
         self.save_measurement = save_measurement
         self.passes = 1 if all(key in self.measurement for _, key, _ in self.slots) else 2
         self.first_pass = 0 if measurer or self.passes == 1 else 1
-        self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.stats = GroupStats(device=self.device)
         self.prepared: dict[str, algorithm.Prepared] = {}        # linear -> its input's factorization
         self.candidates: dict[tuple[str, RowLayout], torch.Tensor] = {}
         self.done: dict[str, algorithm.EXL2Linear] = {}
@@ -95,10 +95,7 @@ class EXL2Job(FolderJob):
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
         if not self.quantizing and self.slot_of[(ctx.layer, group.linears[0])][0] in self.measurement:
             return                       # measured by an earlier run (a measurement file given in part)
-        acc = self.stats.get(group.linears)
-        if acc is None:
-            acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
-        acc.add(x)
+        self.stats.add(group, x)
 
     def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
         acc = self.stats.pop(group.linears, None)

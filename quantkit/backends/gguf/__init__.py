@@ -17,7 +17,7 @@ from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, pass_ram, pass_seconds, read_seconds,
+from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, pass_ram, pass_seconds, read_seconds,
                            statistics_seconds, stream_bytes)
 from ...progress import Progress, null_progress
 from . import encoders, fusion, imatrix_file, mixtures
@@ -314,8 +314,8 @@ def _planned_types(plan_or_rows) -> dict[str, gguf.GGMLQuantizationType]:
 
 
 def _feedback_seconds(model, rows, device: torch.device) -> float:
-    """The error feedback's own work (column loop and searches) for every layer, timed here on layer 0's linears:
-    per input width and type, feedback.py on the tallest linear of that width (as gptq's probe)."""
+    """The error feedback's own work (column loop and searches) for every layer, timed here on layer 0's linears,
+    per input width and type."""
     from .feedback import SUPPORTED, feedback_quantize
     kinds = _planned_types(rows)
     by_source = {t.source: t.name for t in gguf_tensors(model) if t.source}
@@ -324,16 +324,8 @@ def _feedback_seconds(model, rows, device: torch.device) -> float:
         qtype = kinds.get(by_source.get(f"{lin.name}.weight", ""))
         if qtype in SUPPORTED:
             groups.setdefault((lin.in_features, qtype), []).append(lin)
-    gen = torch.Generator().manual_seed(0)
-    total = 0.0
-    for (k, qtype), same in groups.items():
-        n = max(lin.out_features for lin in same)
-        x = torch.randn(2 * k, k, generator=gen)
-        h = (x.T @ x / x.shape[0]).to(device)
-        w = torch.randn(n, k, generator=gen).to(device)
-        cost = column_loop_cost(lambda r, w=w, h=h, q=qtype: feedback_quantize(w[:r], h, q), n, k)
-        total += sum(cost(lin.out_features, k) for lin in same)
-    return total * model.num_layers
+    seconds = layer_column_loop_seconds(groups, lambda w, h, key: feedback_quantize(w, h, key[1]), device)
+    return seconds * model.num_layers
 
 
 def _metadata_bytes(model, tensors: int) -> int:

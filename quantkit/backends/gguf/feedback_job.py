@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...calibration.jobs import PassJob
-from ...calibration.stats import HessianAccumulator
+from ...calibration.stats import GroupStats
 from ...errors import OutputError
 from . import encoders, feedback
 from .tensors import gguf_tensors, permute_qk
@@ -29,7 +29,7 @@ class FeedbackEncoder(PassJob):
         self.label = f"gguf:{file_type} error feedback"
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
-        self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.stats = GroupStats(device=device)
         self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
         self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
         self.size = 0
@@ -39,10 +39,7 @@ class FeedbackEncoder(PassJob):
 
     # --- the pass ---------------------------------------------------------------------------------
     def observe(self, ctx, group, x: torch.Tensor) -> None:
-        acc = self.stats.get(group.linears)
-        if acc is None:
-            acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
-        acc.add(x)
+        self.stats.add(group, x)
 
     def quantize_group(self, ctx, group) -> dict[str, torch.Tensor]:
         acc = self.stats.pop(group.linears, None)

@@ -14,7 +14,7 @@ from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, column_loop_cost, folder_disk, layer_params, pass_ram, pass_seconds,
+from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, folder_disk, layer_params, pass_ram, pass_seconds,
                            stream_bytes)
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings, gptq_quantize
@@ -179,21 +179,11 @@ def _time_estimate(model: Checkpoint, samples: int, seqlen: int, s: GPTQSettings
 
 
 def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device) -> float:
-    """Seconds of GPTQ's column loop for one layer's linears here, probed per input width on the tallest linear
-    of that width: the error feedback into the columns not yet quantized makes a weight's cost grow with the
-    width (one probe at 1024 columns read the synthetic llama's 4096-wide down_proj at 0.7x)."""
-    linears = model.stored_linears[0]
-    gen = torch.Generator().manual_seed(0)
-    total = 0.0
-    for k in sorted({lin.in_features for lin in linears}):
-        same = [lin for lin in linears if lin.in_features == k]
-        n = max(lin.out_features for lin in same)
-        x = torch.randn(2 * k, k, generator=gen)
-        h = (x.T @ x / x.shape[0]).to(device)
-        w = torch.randn(n, k, generator=gen).to(device)
-        cost = column_loop_cost(lambda rows, w=w, h=h: gptq_quantize(w[:rows], h, s), n, k)
-        total += sum(cost(lin.out_features, k) for lin in same)
-    return total
+    """Seconds of GPTQ's column loop for one layer's linears here, probed per input width."""
+    groups: dict[tuple[int], list] = {}
+    for lin in model.stored_linears[0]:
+        groups.setdefault((lin.in_features,), []).append(lin)
+    return layer_column_loop_seconds(groups, lambda w, h, key: gptq_quantize(w, h, s), device)
 
 
 BACKEND = GPTQBackend()

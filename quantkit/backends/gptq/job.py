@@ -16,7 +16,7 @@ import torch
 
 from ... import __version__
 from ...calibration.context import LayerContext
-from ...calibration.stats import HessianAccumulator
+from ...calibration.stats import GroupStats
 from ...model.block import InputGroup
 from ..hf_folder import FolderJob
 from .algorithm import GPTQResult, GPTQSettings, gptq_quantize, rtn_quantize
@@ -44,14 +44,11 @@ class GPTQJob(FolderJob):
     def __init__(self, model, settings: GPTQSettings, variant: str, folder: Path, **kw):
         super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
         self.layer_linears = model.stored_linears
-        self.stats: dict[tuple[str, ...], HessianAccumulator] = {}
+        self.stats = GroupStats(device=self.device)
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
-        acc = self.stats.get(group.linears)
-        if acc is None:
-            acc = self.stats[group.linears] = HessianAccumulator(x.shape[-1], self.device)
-        acc.add(x)
+        self.stats.add(group, x)
 
     def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
         # Linears that read the same input share H, and GPTQ treats output rows independently, so one
