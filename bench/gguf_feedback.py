@@ -9,9 +9,11 @@ perplexity, mean KL divergence, top-1 agreement, file size.  The time reference 
 
     python bench/gguf_feedback.py [--models demo,qwen] [--types Q4_K_M,Q3_K_M,Q2_K] [--samples 128]
                                   [--seqlen 512] [--windows 40] [--no-reference]
+                                  [--methods plain,imatrix,"error feedback"]
 
 qwen is Qwen2.5-Coder-1.5B-Instruct as ../shared/models/build.sh builds it.  Each step runs in its own process
-(bench/measure.py: wall time, peak RSS); the rows of models not rerun are kept from the committed results.
+(bench/measure.py: wall time, peak RSS); the rows not rerun (other models, types or methods) are kept from the
+committed results, each with its date.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
                      "wall_s": round(wall, 1), "peak_rss_gib": round(rss / 2**30, 3), **protocol})
         print(rows[-1], flush=True)
     for ftype in types:
-        for method, flags in METHODS.items():
+        for method in a.methods:
+            flags = METHODS[method]
             out = WORK / name / method.replace(" ", "-")
             extra = calib if flags else []
             wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", f"gguf:{ftype}", "--no-resume",
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="keep the committed GPTQ time reference of the model instead of rerunning it")
+    ap.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","),
+                    help="which of plain, imatrix, error feedback to rerun (the others' committed rows are kept)")
     ap.add_argument("--render", action="store_true", help="only rewrite the Markdown from the committed JSON")
     a = ap.parse_args()
     if a.render:
@@ -147,11 +152,23 @@ def main() -> None:
     models = a.models.split(",")
     old = RESULTS / "gguf_feedback.json"
     types = a.types.split(",")
-    rerun = lambda r: r["model"] in models and (r["type"] in types or (a.reference and r["type"].startswith("gptq")))
-    kept = [r for r in json.loads(old.read_text())["rows"] if not rerun(r)] if old.exists() else []
-    rows = kept
+    unknown = set(a.methods) - set(METHODS)
+    if unknown:
+        sys.exit(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
+
+    def rerun(r: dict) -> bool:
+        return r["model"] in models and ((r["type"] in types and r["method"] in a.methods)
+                                         or (a.reference and r["type"].startswith("gptq")))
+    committed = json.loads(old.read_text())["rows"] if old.exists() else []
+    # a new row takes the place of the one it replaces, so the table keeps its order
+    order = [(r["model"], r["type"], r["method"]) for r in committed]
+
+    def place(r: dict) -> int:
+        key = (r["model"], r["type"], r["method"])
+        return order.index(key) if key in order else len(order)
+    rows = [r for r in committed if not rerun(r)]
     for m in models:
-        rows = rows + bench_model(m, a.types.split(","), a)
+        rows = sorted(rows + bench_model(m, types, a), key=place)
         write(rows, a)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from conftest import run_cli
+from conftest import make_checkpoint, run_cli
 from quantkit import api
 from quantkit.backends.gguf import encoders, llamacpp
 from quantkit.backends.gguf.feedback import SUPPORTED, block_grid, feedback_quantize
@@ -109,9 +109,9 @@ def test_same_types_and_size_as_the_importance_matrix_file_and_nothing_left(file
         imat, fb = tensors(made["imatrix"][ft]), tensors(made["feedback"][ft])
         assert {n: t for n, (t, _) in imat.items()} == {n: t for n, (t, _) in fb.items()}
         assert made["imatrix"][ft].stat().st_size == made["feedback"][ft].stat().st_size
-        linears = [n for n in fb if n.startswith("blk.") and "norm" not in n]
+        linears = [n for n in fb if n.startswith("blk.") and "norm" not in n] + ["output.weight"]
         changed = [n for n in linears if fb[n][1] != imat[n][1]]
-        assert len(changed) == len(linears), ft             # every decoder linear took the feedback
+        assert len(changed) == len(linears), ft             # every decoder linear and the head took the feedback
         assert all(fb[n][1] == imat[n][1] for n in fb if n not in linears)   # the rest is the usual encoding
     assert sorted(p.name for p in (out / "feedback").iterdir()) == sorted(
         [f"llama256-{ft}.gguf{x}" for ft in ("Q4_K_M", "Q2_K") for x in ("", ".quantkit.json")])
@@ -145,6 +145,22 @@ def test_loads_in_llama_cpp_as_quantkit_reads_it(files, tiny_gguf_source, calib_
                                                   tokens)))
             gap[name] = float((theirs - ours).abs().max() / theirs.abs().max())
         assert gap["feedback"] < max(2 * gap["imatrix"], 0.02), (ft, gap)
+
+
+def test_a_tied_head_is_fed_back_in_the_embedding_it_shares(calib_text, tmp_path):
+    """A tied model stores the head once, as token_embd: that tensor takes the head's feedback (from the final
+    norm's output), at the type llama-quantize gives it, and the file has no output.weight."""
+    source = make_checkpoint(tmp_path / "tied", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=1,
+                             vocab=320, bpe=True, tie=True)
+    made = {}
+    for name, flag in (("imatrix", "imatrix"), ("feedback", "error_feedback")):
+        [made[name]] = api.convert(str(source), ["gguf:Q4_K_M"], tmp_path / name,
+                                   options={flag: True, "calib": str(calib_text), "calib_samples": 8,
+                                            "calib_seqlen": 64, "tokenizer_pre": "gpt-2"})
+    imat, fb = tensors(made["imatrix"]), tensors(made["feedback"])
+    assert "output.weight" not in fb and fb["token_embd.weight"][0] == imat["token_embd.weight"][0] == QT.Q6_K
+    assert fb["token_embd.weight"][1] != imat["token_embd.weight"][1]
+    assert made["imatrix"].stat().st_size == made["feedback"].stat().st_size
 
 
 def test_a_failure_in_the_pass_leaves_nothing(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
@@ -199,8 +215,8 @@ def test_the_dry_run_counts_the_pass_and_the_scratch_file(tiny_gguf_source, cali
     assert not plain.resources.calibrated and fb.resources.calibrated
     assert [r.kind for r in fb.rows] == [r.kind for r in api.plan(
         str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path, options={**options, "imatrix": True})[0].rows]
-    linears = sum(r.bytes for r in fb.rows if r.tensor.startswith("blk.") and r.tensor.endswith(".weight")
-                  and "norm" not in r.tensor)
+    linears = sum(r.bytes for r in fb.rows if (r.tensor.startswith("blk.") and r.tensor.endswith(".weight")
+                                                and "norm" not in r.tensor) or r.tensor == "output.weight")
     assert fb.resources.scratch_disk == linears > 0
     assert fb.resources.own_seconds > plain.resources.own_seconds
     assert "error feedback's pass" in fb.extra["time (estimate)"]

@@ -14,7 +14,8 @@ import torch
 
 from ..errors import UsageError
 from ..model.block import Block, InputGroup, Residual
-from ..model.engine import Runtime, run_residual
+from ..model.engine import Runtime, apply_norm, run_residual
+from .stats import HessianAccumulator
 
 
 class LayerContext:
@@ -41,6 +42,16 @@ class LayerContext:
     def _need_data(self) -> None:
         if self.stream is None:
             raise UsageError("this job needs calibration data (it re-runs the layer on the calibration samples)")
+
+    def head_hessian(self, model, device: torch.device) -> torch.Tensor:
+        """H of the output head's inputs: the final norm of this (last) layer's output stream, in float32."""
+        self._need_data()
+        norm = model.pieces.final_norm
+        weight = {f"{norm.weight}.weight": model.final_norm_weight().float().to(device)}
+        acc = HessianAccumulator(model.config.hidden_size, device)
+        for span in self.spans():
+            acc.add(apply_norm(norm, self.stream[span].to(device).float(), weight))
+        return acc.value()
 
     # --- re-running a sub-block ---------------------------------------------------------------
     def residual_of(self, group: InputGroup) -> Residual:

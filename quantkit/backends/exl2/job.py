@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from ...calibration.context import LayerContext
-from ...calibration.stats import GroupStats, HessianAccumulator
+from ...calibration.stats import GroupStats
 from ...errors import UsageError
 from ...model.block import InputGroup
-from ...model.engine import apply_norm
 from ..hf_folder import FolderJob, LayerJobWriter
 from . import algorithm
 from .allocate import Allocation, Option, solve
@@ -203,13 +202,9 @@ class EXL2Job(FolderJob):
     def _quantize_head(self, ctx: LayerContext) -> None:
         """The head at head_bits, from the Hessian of what it reads: the final norm of the quantized stream."""
         model = self.model
-        pieces = model.pieces
-        acc = HessianAccumulator(model.config.hidden_size, self.device)
-        norm_w = {f"{pieces.final_norm.weight}.weight": model.final_norm_weight().float().to(self.device)}
-        for sl in ctx.spans():
-            acc.add(apply_norm(pieces.final_norm, ctx.stream[sl].to(self.device).float(), norm_w))
+        H = ctx.head_hessian(model, self.device)
         head = model.lm_head_weight()
-        q = algorithm.quantize(head, algorithm.prepare(acc.value(), self.settings.damp), HEAD_OPTIONS[self.settings.head_bits])
+        q = algorithm.quantize(head, algorithm.prepare(H, self.settings.damp), HEAD_OPTIONS[self.settings.head_bits])
         self.head = pack_linear(q.codes, q.groups, q.qscale, q.scale_max, q.perm)
 
     def finish(self) -> Path:

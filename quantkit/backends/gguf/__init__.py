@@ -5,6 +5,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -185,9 +186,10 @@ class GGUFBackend(Backend):
             r.forward_seconds += feedback_pass
             r.own_seconds += feedback_own
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
-            # the decoder linears' bytes wait beside the output until the file is written
+            # the decoder linears' and the head's bytes wait beside the output until the file is written
+            from .feedback_job import head_tensor
             stored = {f"{lin.name}.weight" for layer in model.stored_linears for lin in layer}
-            spilled = {t.name for t in tensors if t.source in stored}
+            spilled = {t.name for t in tensors if t.source in stored} | {head_tensor(model, _planned_types(rows))}
             r.scratch_disk += sum(row.bytes for row in rows if row.tensor in spilled)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
@@ -317,6 +319,7 @@ def _feedback_seconds(model, rows, device: torch.device) -> float:
     """The error feedback's own work (column loop and searches) for every layer, timed here on layer 0's linears,
     per input width and type."""
     from .feedback import SUPPORTED, feedback_quantize
+    from .feedback_job import HEAD_ROWS, head_tensor
     kinds = _planned_types(rows)
     by_source = {t.source: t.name for t in gguf_tensors(model) if t.source}
     groups: dict[tuple, list] = {}
@@ -324,8 +327,17 @@ def _feedback_seconds(model, rows, device: torch.device) -> float:
         qtype = kinds.get(by_source.get(f"{lin.name}.weight", ""))
         if qtype in SUPPORTED:
             groups.setdefault((lin.in_features, qtype), []).append(lin)
-    seconds = layer_column_loop_seconds(groups, lambda w, h, key: feedback_quantize(w, h, key[1]), device)
-    return seconds * model.num_layers
+
+    def quantize(w, h, key):
+        return feedback_quantize(w, h, key[1])
+    seconds = layer_column_loop_seconds(groups, quantize, device) * model.num_layers
+    head = head_tensor(model, kinds)
+    if head is not None:   # done in slices of HEAD_ROWS rows: one slice timed, times the number of rows
+        probe = min(model.config.vocab_size, HEAD_ROWS)
+        piece = SimpleNamespace(out_features=probe)
+        seconds += (layer_column_loop_seconds({(model.config.hidden_size, kinds[head]): [piece]}, quantize, device)
+                    * model.config.vocab_size / probe)
+    return seconds
 
 
 def _metadata_bytes(model, tensors: int) -> int:

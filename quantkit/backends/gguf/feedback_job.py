@@ -1,7 +1,8 @@
 """`--error-feedback`: one GGUF file's decoder linears quantized in the shared capture pass (feedback.py), each
 from the Hessian of its inputs as the file's own already-quantized layers produce them (true sequential, as
-GPTQ); the rest of the file (embeddings, norms, the output head, stacked experts) is encoded by the writer as
-usual, weighted by the same inputs' mean squares.
+GPTQ), and after the last layer the output head from the Hessian of the final norm's output (when the head is
+tied, that is the token embedding the file stores once for both uses); the rest of the file (embeddings,
+norms, stacked experts) is encoded by the writer as usual, weighted by the same inputs' mean squares.
 
 The pass reaches a layer long before the writer does, so each tensor's bytes wait in a scratch file beside the
 output (`.partial-FILE.feedback`), appended layer by layer: memory stays at one layer.  A crash resume keeps the
@@ -22,6 +23,15 @@ from . import encoders, feedback
 from .tensors import gguf_tensors, permute_qk
 
 
+HEAD_ROWS = 16384
+
+
+def head_tensor(model, types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
+    """The GGUF tensor the output head is stored as, when its type is one the feedback can round to."""
+    name = "token_embd.weight" if model.tied_embeddings else "output.weight"
+    return name if types.get(name) in feedback.SUPPORTED else None
+
+
 class FeedbackEncoder(PassJob):
     def __init__(self, model, file_type: str, output: Path, types: dict[str, gguf.GGMLQuantizationType],
                  device: torch.device):
@@ -30,6 +40,7 @@ class FeedbackEncoder(PassJob):
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
         self.stats = GroupStats(device=device)
+        self.head = head_tensor(model, types)
         self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
         self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
         self.size = 0
@@ -83,6 +94,24 @@ class FeedbackEncoder(PassJob):
 
     def finish_layer(self, ctx) -> None:
         self.chunks = ctx.stream.shape[0]
+        if self.head is not None and ctx.layer == self.model.num_layers - 1:
+            self._quantize_head(ctx)
+
+    def _quantize_head(self, ctx) -> None:
+        H = ctx.head_hessian(self.model, self.device)
+        W, qtype = self.model.lm_head_weight(), self.types[self.head]
+        # its rows are independent and the vocabulary is large: slices keep the float32 copies small
+        losses, damp = [], 0.0
+        for start in range(0, W.shape[0], HEAD_ROWS):
+            r = feedback.feedback_quantize(W[start:start + HEAD_ROWS].to(self.device, torch.float32), H, qtype)
+            if start == 0:
+                self._put(self.head, r.data)
+            else:
+                self._append(self.head, r.data)
+            losses.append(r.loss)
+            damp = r.damp
+        self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": damp,
+                         "loss": sum(losses)})
 
     def _put(self, name: str, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
@@ -94,6 +123,12 @@ class FeedbackEncoder(PassJob):
             raise OutputError(f"{self.spill}: cannot write the error-feedback scratch file ({e.strerror or e})") from None
         self.index[name] = (self.size, data.nbytes)
         self.size += data.nbytes
+
+    def _append(self, name: str, data: np.ndarray) -> None:
+        """More rows of the tensor `_put` began (written right after it)."""
+        offset, nbytes = self.index[name]
+        self._put(name, data)
+        self.index[name] = (offset, nbytes + self.index[name][1])
 
     # --- what the writer reads ------------------------------------------------------------------
     def encoded(self, name: str) -> np.ndarray | None:
