@@ -147,20 +147,28 @@ def test_loads_in_llama_cpp_as_quantkit_reads_it(files, tiny_gguf_source, calib_
         assert gap["feedback"] < max(2 * gap["imatrix"], 0.02), (ft, gap)
 
 
-def test_a_tied_head_is_fed_back_in_the_embedding_it_shares(calib_text, tmp_path):
+def test_a_tied_head_is_fed_back_in_the_embedding_it_shares(calib_text, tmp_path, monkeypatch):
     """A tied model stores the head once, as token_embd: that tensor takes the head's feedback (from the final
-    norm's output), at the type llama-quantize gives it, and the file has no output.weight."""
+    norm's output), at the type llama-quantize gives it, and the file has no output.weight.  A head taller than
+    HEAD_ROWS is fed back in slices of rows, which land in the file in order."""
+    from quantkit.backends.gguf import feedback_job
     source = make_checkpoint(tmp_path / "tied", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=1,
                              vocab=320, bpe=True, tie=True)
     made = {}
-    for name, flag in (("imatrix", "imatrix"), ("feedback", "error_feedback")):
+    for name, flag, rows in (("imatrix", "imatrix", 16384), ("feedback", "error_feedback", 16384),
+                             ("sliced", "error_feedback", 100)):
+        monkeypatch.setattr(feedback_job, "HEAD_ROWS", rows)
         [made[name]] = api.convert(str(source), ["gguf:Q4_K_M"], tmp_path / name,
                                    options={flag: True, "calib": str(calib_text), "calib_samples": 8,
                                             "calib_seqlen": 64, "tokenizer_pre": "gpt-2"})
-    imat, fb = tensors(made["imatrix"]), tensors(made["feedback"])
+    imat, fb, sliced = tensors(made["imatrix"]), tensors(made["feedback"]), tensors(made["sliced"])
     assert "output.weight" not in fb and fb["token_embd.weight"][0] == imat["token_embd.weight"][0] == QT.Q6_K
     assert fb["token_embd.weight"][1] != imat["token_embd.weight"][1]
-    assert made["imatrix"].stat().st_size == made["feedback"].stat().st_size
+    assert made["imatrix"].stat().st_size == made["feedback"].stat().st_size == made["sliced"].stat().st_size
+    # rows are independent: slicing changes nothing but float rounding in the batched updates
+    whole, parts = (np.frombuffer(x["token_embd.weight"][1], np.uint8).reshape(320, -1) for x in (fb, sliced))
+    assert whole.shape[1] == GGML_QUANT_SIZES[QT.Q6_K][1]      # one block per row
+    assert (whole == parts).all(axis=1).mean() > 0.95
 
 
 def test_a_failure_in_the_pass_leaves_nothing(tiny_gguf_source, calib_text, tmp_path, monkeypatch):

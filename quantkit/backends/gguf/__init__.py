@@ -177,19 +177,21 @@ class GGUFBackend(Backend):
             r.stream = r.own_ram = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
         if settings.feedback:   # its own stream and pass; a layer's linears (float32, three copies) and one Hessian
+            from .feedback_job import HEAD_ROWS, head_tensor
             r = plan.resources
             widest = max(lin.in_features for lin in model.stored_linears[0])
             tallest = max(lin.in_features * lin.out_features for lin in model.stored_linears[0])
             r.calibrated, r.shared_ram = True, pass_ram(model, settings.run.calib_seqlen)
             r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
-            r.own_ram = r.stream + 4 * widest ** 2 * 3 + 12 * tallest
+            head = model.config.vocab_size * model.config.hidden_size   # read whole, fed back in slices
+            head_ram = head * 2 + 12 * min(model.config.vocab_size, HEAD_ROWS) * model.config.hidden_size
+            r.own_ram = r.stream + 4 * widest ** 2 * 3 + max(12 * tallest, head_ram)
             r.forward_seconds += feedback_pass
             r.own_seconds += feedback_own
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
             # the decoder linears' and the head's bytes wait beside the output until the file is written
-            from .feedback_job import head_tensor
             stored = {f"{lin.name}.weight" for layer in model.stored_linears for lin in layer}
-            spilled = {t.name for t in tensors if t.source in stored} | {head_tensor(model, _planned_types(rows))}
+            spilled = {t.name for t in tensors if t.source in stored} | {head_tensor(_planned_types(rows))}
             r.scratch_disk += sum(row.bytes for row in rows if row.tensor in spilled)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
@@ -331,8 +333,8 @@ def _feedback_seconds(model, rows, device: torch.device) -> float:
     def quantize(w, h, key):
         return feedback_quantize(w, h, key[1])
     seconds = layer_column_loop_seconds(groups, quantize, device) * model.num_layers
-    head = head_tensor(model, kinds)
-    if head is not None:   # done in slices of HEAD_ROWS rows: one slice timed, times the number of rows
+    head = head_tensor(kinds)
+    if head is not None:   # each slice of HEAD_ROWS rows pays the column loop's per-column cost again
         probe = min(model.config.vocab_size, HEAD_ROWS)
         piece = SimpleNamespace(out_features=probe)
         seconds += (layer_column_loop_seconds({(model.config.hidden_size, kinds[head]): [piece]}, quantize, device)

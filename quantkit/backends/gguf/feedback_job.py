@@ -26,9 +26,10 @@ from .tensors import gguf_tensors, permute_qk
 HEAD_ROWS = 16384
 
 
-def head_tensor(model, types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
-    """The GGUF tensor the output head is stored as, when its type is one the feedback can round to."""
-    name = "token_embd.weight" if model.tied_embeddings else "output.weight"
+def head_tensor(types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
+    """The GGUF tensor llama.cpp reads the output head from (the token embedding when the file has no
+    output.weight: a tied model stored once), when its type is one the feedback can round to."""
+    name = "output.weight" if "output.weight" in types else "token_embd.weight"
     return name if types.get(name) in feedback.SUPPORTED else None
 
 
@@ -40,7 +41,7 @@ class FeedbackEncoder(PassJob):
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
         self.stats = GroupStats(device=device)
-        self.head = head_tensor(model, types)
+        self.head = head_tensor(types)
         self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
         self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
         self.size = 0
@@ -101,17 +102,15 @@ class FeedbackEncoder(PassJob):
         H = ctx.head_hessian(self.model, self.device)
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
-        losses, damp = [], 0.0
+        loss = 0.0
         for start in range(0, W.shape[0], HEAD_ROWS):
             r = feedback.feedback_quantize(W[start:start + HEAD_ROWS].to(self.device, torch.float32), H, qtype)
             if start == 0:
                 self._put(self.head, r.data)
             else:
                 self._append(self.head, r.data)
-            losses.append(r.loss)
-            damp = r.damp
-        self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": damp,
-                         "loss": sum(losses)})
+            loss += r.loss
+        self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": r.damp, "loss": loss})
 
     def _put(self, name: str, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
@@ -127,6 +126,7 @@ class FeedbackEncoder(PassJob):
     def _append(self, name: str, data: np.ndarray) -> None:
         """More rows of the tensor `_put` began (written right after it)."""
         offset, nbytes = self.index[name]
+        assert offset + nbytes == self.size, f"{name}: rows appended after another tensor's bytes"
         self._put(name, data)
         self.index[name] = (offset, nbytes + self.index[name][1])
 
