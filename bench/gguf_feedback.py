@@ -36,6 +36,7 @@ CALIB = SHARED / "data" / "wikitext2-valid.txt"
 TEST = SHARED / "data" / "wikitext2-test.raw.txt"
 QK = [sys.executable, "-m", "quantkit"]
 METHODS = {"plain": [], "imatrix": ["--imatrix"], "error feedback": ["--error-feedback"]}
+TYPES = ["Q4_K_M", "Q3_K_M", "Q2_K"]
 
 
 def model_spec(name: str) -> str:
@@ -90,7 +91,17 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
     return rows
 
 
+def in_table_order(rows: list[dict]) -> list[dict]:
+    """By model (as first met), then the time reference, the file types and the methods in their usual order."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    kinds = ["gptq:4bit-g128", *TYPES]
+    return sorted(rows, key=lambda r: (models.index(r["model"]),
+                                       kinds.index(r["type"]) if r["type"] in kinds else len(kinds),
+                                       list(METHODS).index(r["method"]) if r["method"] in METHODS else -1))
+
+
 def write(rows: list[dict], a) -> None:
+    rows = in_table_order(rows)
     RESULTS.mkdir(exist_ok=True)
     meta = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"{platform.platform()}", "calibration": "wikitext2-valid, seed 0 (windows × tokens per row)",
@@ -115,19 +126,24 @@ def write(rows: list[dict], a) -> None:
     notes = [f"- {r['model']} {r['type']} {r['method']}: {r['note']}" for r in rows if r.get("note")]
     if any(r["model"] == "qwen" for r in rows):
         notes.append("- qwen is Qwen2.5-Coder-1.5B-Instruct dequantized from the official Q4_K_M GGUF "
-                     "(../shared/models/build.sh): its weights already sit near Q4_K / Q6_K grids, so at Q4_K_M every "
-                     "method re-finds much the same grid and the three files are close (plain to imatrix: 0.7 %).")
+                     "(../shared/models/build.sh): its weights already sit on Q4_K / Q6_K grids (requantized to its own "
+                     "type, a tensor comes back within ~1e-5 relative error), so at Q4_K_M every method re-finds "
+                     "nearly the same grid and the error comes mostly from the tensors whose type differs from the "
+                     "one they were published in; Q3_K_M and Q2_K leave the grid, and there the feedback gains as "
+                     "on the demo.")
     if notes:
         lines += ["", *notes]
-    lines += ["", "| model | GPTQ 4bit-g128 wall s | error feedback wall s (per file type) | ratio (goal ≤ 1.5) |",
+    lines += ["", "| model | GPTQ 4bit-g128 wall s (date) | error feedback wall s (per file type) | ratio (goal ≤ 1.5) |",
               "| --- | ---: | --- | --- |"]
     for model in dict.fromkeys(r["model"] for r in rows):
         g = next((r for r in rows if r["model"] == model and r["type"].startswith("gptq")), None)
         fb = [r for r in rows if r["model"] == model and r["method"] == "error feedback"]
         if g and fb:
-            lines.append(f"| {model} | {g['wall_s']} | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
+            lines.append(f"| {model} | {g['wall_s']} ({g.get('date', '')}) | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
                          + " | " + ", ".join(f"{r['wall_s'] / g['wall_s']:.2f}" for r in fb) + " |")
-    lines += ["", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen` (`--render` rewrites this page from the "
+    lines += ["", "Times from different days compare less well than those of one run: this machine's speed varies "
+              "from day to day (qwen Q4_K_M error feedback: 1278.2 s on 2026-12-03, 906.2 s on 2026-12-05).",
+              "", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen` (`--render` rewrites this page from the "
               "JSON)."]
     (RESULTS / "gguf_feedback.md").write_text("\n".join(lines) + "\n")
 
@@ -135,7 +151,7 @@ def write(rows: list[dict], a) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="demo")
-    ap.add_argument("--types", default="Q4_K_M,Q3_K_M,Q2_K")
+    ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=40)
@@ -159,16 +175,9 @@ def main() -> None:
     def rerun(r: dict) -> bool:
         return r["model"] in models and ((r["type"] in types and r["method"] in a.methods)
                                          or (a.reference and r["type"].startswith("gptq")))
-    committed = json.loads(old.read_text())["rows"] if old.exists() else []
-    # a new row takes the place of the one it replaces, so the table keeps its order
-    order = [(r["model"], r["type"], r["method"]) for r in committed]
-
-    def place(r: dict) -> int:
-        key = (r["model"], r["type"], r["method"])
-        return order.index(key) if key in order else len(order)
-    rows = [r for r in committed if not rerun(r)]
+    rows = [r for r in json.loads(old.read_text())["rows"] if not rerun(r)] if old.exists() else []
     for m in models:
-        rows = sorted(rows + bench_model(m, types, a), key=place)
+        rows = rows + bench_model(m, types, a)
         write(rows, a)
 
 
