@@ -141,8 +141,8 @@ def write(rows: list[dict], a) -> None:
         if g and fb:
             lines.append(f"| {model} | {g['wall_s']} ({g.get('date', '')}) | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
                          + " | " + ", ".join(f"{r['wall_s'] / g['wall_s']:.2f}" for r in fb) + " |")
-    lines += ["", "Times from different days compare less well than those of one run: this machine's speed varies "
-              "from day to day (qwen Q4_K_M error feedback: 1278.2 s on 2026-12-03, 906.2 s on 2026-12-05).",
+    lines += ["", "Times from different days (each row's date) compare less well than those of one run: this "
+              "machine's speed varies from day to day.",
               "", "Regenerate: `python bench/gguf_feedback.py --models demo,qwen` (`--render` rewrites this page from the "
               "JSON)."]
     (RESULTS / "gguf_feedback.md").write_text("\n".join(lines) + "\n")
