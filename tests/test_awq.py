@@ -208,12 +208,48 @@ def test_a_group_that_does_not_divide_names_the_sizes_that_do(tmp_path, calib_te
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_mixture_of_experts_is_refused_in_one_line(tmp_path, calib_text):
-    src = make_checkpoint(tmp_path / "moe", "mixtral", hidden=64, intermediate=64, heads=4, kv_heads=2,
-                          num_local_experts=4, num_experts_per_tok=2)
-    r = run_cli("convert", str(src), "-f", "awq:4bit-g32", "-o", str(tmp_path / "out"), "--calib", str(calib_text))
-    assert r.returncode == 2 and "mixture-of-experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+MOE = {
+    "qwen2_moe": dict(hidden=64, intermediate=128, heads=4, kv_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "mixtral": dict(hidden=64, intermediate=64, heads=4, kv_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_mixture_of_experts_balanced_together_keeps_routing_and_beats_round_to_nearest(tmp_path, calib_text, family):
+    """Every expert's gate/up (and the shared expert's) takes one scale, folded into the block's norm; the
+    unquantized router (and shared gate) take it on their input columns, so routing is what it was; each
+    expert's down is scaled into its own up; the file reads back and is closer to the model than plain rounding."""
+    src = make_checkpoint(tmp_path / family, family, train_steps=30, **MOE[family])
+    awq, rtn = convert(src, tmp_path / "out", "4bit-g32", "4bit-g32-rtn", calib=calib_text, calib_samples=8)
+    info = json.loads((awq / "quantkit.json").read_text())
+    base, art = Checkpoint(src), AWQCheckpoint(awq)
+    router = "block_sparse_moe.gate" if family == "mixtral" else "mlp.gate"
+    for layer in range(2):
+        (balanced,) = [e for e in info["groups"] if e["layer"] == layer and router in e["linears"]]
+        assert balanced["balanced"] == (5 if family == "qwen2_moe" else 4) and balanced["tokens"] == 8 * 32
+        assert balanced["loss"] <= balanced["unscaled_loss"]
+        experts = [e for e in info["groups"] if e["layer"] == layer and "balanced" not in e
+                   and e["linears"][0].endswith(("gate_proj", "w1"))]
+        assert sum(e.get("tokens", 0) for e in experts if "shared" not in e["linears"][0]) == 2 * 8 * 32   # top-2
+        downs = [e for e in info["groups"] if e["layer"] == layer and e["linears"][0].endswith(("down_proj", "w2"))]
+        assert any(e.get("scaled_into", "").endswith(("up_proj", "w3")) for e in downs)
+        if balanced["scaled_into"] is None:
+            continue
+        assert balanced["scaled_into"] == "post_attention_layernorm"
+        stored, source = art.layer(layer), base.layer(layer)
+        norm = "post_attention_layernorm.weight"
+        scale = source[norm].float() / stored[norm].float()
+        assert not torch.allclose(scale, torch.ones_like(scale))
+        for name in [f"{router}.weight"] + (["mlp.shared_expert_gate.weight"] if family == "qwen2_moe" else []):
+            assert torch.allclose(stored[name].float(), source[name].float() * scale, rtol=2e-2, atol=1e-3), name
+    ids = base.tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :128].view(4, 32)
+    kld = {name: evaluate(AWQCheckpoint(f), ids, base=base).mean_kld for name, f in (("awq", awq), ("rtn", rtn))}
+    assert kld["awq"] < kld["rtn"], kld
+    (plan,) = api.plan(str(src), ["awq:4bit-g32"], tmp_path / "plan", {"calib": "x.txt", "device": "cpu"})
+    assert any("mixture of experts" in v and "GPTQModel.load" in v for k, v in plan.extra.items() if "note" in k)
+    assert plan.resources.own_seconds > 0
 
 
 def test_non_finite_activations_fail_in_one_line(tmp_path, calib_text):

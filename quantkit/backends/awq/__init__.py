@@ -46,18 +46,15 @@ def describe_settings(s: AWQSettings, rtn: bool) -> str:
     return " ".join([f"awq {s.bits}-bit {group}", "+".join(steps) or "no search", "" if s.duo_scaling else "x-only"]).strip()
 
 
-def check_families(model) -> None:
-    """Refuse layers whose AWQ mapping quantkit does not have yet."""
-    for i in range(model.num_layers):
-        if any(isinstance(r.op, MoE) for r in model.block(i).residuals):
-            raise UsageError(f"awq: {model.config.model_type} has mixture-of-experts layers, which quantkit's AWQ "
-                             f"does not map yet (router and experts); use gptq or gguf for this model")
-
-
 def consumer_notes(model, s: AWQSettings) -> list[str]:
     notes = []
     if s.group_size == -1:
         notes.append("one group per row: transformers + GPTQModel load it; vLLM's AWQ kernels want groups")
+    if any(isinstance(r.op, MoE) for i in range(model.num_layers) for r in model.block(i).residuals):
+        notes.append("mixture of experts: one scale per layer for all experts' gate/up (folded into the norm, "
+                     "router scaled to match); experts stored one linear each under the checkpoint's names, as "
+                     "vLLM reads them; transformers 5 fuses experts and cannot load them quantized: use "
+                     "GPTQModel.load(folder), checked for qwen2_moe (GPTQModel 7.7 misnames mixtral's w1/w2/w3)")
     return notes
 
 
@@ -86,7 +83,6 @@ class AWQBackend(Backend):
 
     def plan(self, model, variant: awq_spec.AWQVariant, out_dir: Path, settings: AWQRunSettings) -> Plan:
         s, rtn = settings.resolve(variant)
-        check_families(model)
         check_model(model, s)
         kind = describe_settings(s, rtn)
         rows = plan_rows(model, checkpoint_specs(model, s), kind,
@@ -158,11 +154,16 @@ def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, 
     stream = stream_bytes(model, samples, seqlen)
     outputs = 2 * stream                       # the sub-block's reference and candidate outputs
     shared = pass_ram(model, seqlen)
-    second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
+    # every group of the widest stage holds its H until the stage is quantized (all experts of a MoE layer)
+    second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * max(3, _widest_stage(model))
     total = stream + outputs + shared + dequantized + second_moments + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "
             f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)",
             shared, stream + outputs + dequantized + second_moments, stream)
+
+
+def _widest_stage(model) -> int:
+    return max(len(stage) for r in model.block(0).residuals for stage in r.stages)
 
 
 def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
@@ -191,10 +192,14 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     for r in block.residuals:
         share = sum(shapes[lin][0] * shapes[lin][1] for st in r.stages for g in st for lin in g.linears) / total
         for index, stage in enumerate(r.stages):
+            if index == 0 and isinstance(r.op, MoE) and s.search_scales:   # the experts are balanced together
+                n, k = sum(shapes[lin][0] for g in stage for lin in g.linears), shapes[stage[0].linears[0]][1]
+                own += candidates * (n * k * per_weight + forward * share * searched)
             for g in stage:
                 n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
-                own += 2 * windows * seqlen * k * k / flops                     # second moments
-                if s.search_scales:
+                routed = r.op.top_k / len(r.op.experts) if isinstance(r.op, MoE) else 1   # an expert: its tokens
+                own += 2 * windows * seqlen * routed * k * k / flops            # second moments
+                if s.search_scales and not (index == 0 and isinstance(r.op, MoE)):
                     score = forward * share * searched if index == 0 else 2 * n * k * k / flops
                     own += candidates * (n * k * per_weight + score)
                 if s.search_clip:

@@ -21,9 +21,22 @@ def load(folder: Path, dtype=torch.float32):
                               f"gptqmodel, plus its requirements") from None
     if read_quantization_config(folder) is None:
         raise SourceError(f"{folder}: not an AWQ checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype)
+    if has_experts(folder):
+        # transformers 5 fuses each layer's experts into one 3D tensor and cannot take per-expert quantized
+        # linears (it would start them from random values); GPTQModel's own loader splits the experts again
+        from gptqmodel import GPTQModel
+        model = GPTQModel.load(str(folder), device="cpu", dtype=dtype).model
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype)
     model.eval()
     return model
+
+
+def has_experts(folder: Path) -> bool:
+    from ...model.block import MoE
+    from .reader import AWQCheckpoint
+    m = AWQCheckpoint(folder)
+    return any(isinstance(r.op, MoE) for i in range(m.num_layers) for r in m.block(i).residuals)
 
 
 @torch.no_grad()

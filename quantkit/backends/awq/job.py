@@ -15,7 +15,8 @@ import torch
 from ...calibration.context import LayerContext
 from ...calibration.stats import GroupStats, HessianAccumulator
 from ...errors import QuantizationError
-from ...model.block import Attention, InputGroup
+from ...model.block import Attention, InputGroup, MoE, Residual
+from ...model.engine import apply_norm
 from ..hf_folder import FolderJob
 from .algorithm import AWQSettings, Quantized, clip, linear_loss, quantize, search_clip, search_scale
 from .layout import checkpoint_specs, quantization_config
@@ -50,6 +51,7 @@ class AWQJob(FolderJob):
         super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
         self.stats = GroupStats(InputStats, self.device)
         self.done: dict[str, Quantized] = {}      # this layer's linears, by name, until finish_layer writes them
+        self.expert_scale: tuple[int, torch.Tensor | None] | None = None   # (layer, scale) once experts are balanced
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
@@ -62,7 +64,11 @@ class AWQJob(FolderJob):
         for lin, name in zip(group.linears, names):
             rows[lin] = slice(start, start + ctx.source[name].shape[0])
             start = rows[lin].stop
-        w = torch.cat([ctx.source[n].to(self.device, torch.float32) for n in names])
+        moe = self._routed_input(ctx, group)
+        if moe is not None and s.search_scales:
+            expert_scale = self._balance_experts(ctx, moe)
+        # the stored weights: a balanced expert's input columns already hold the scale folded into the norm
+        w = torch.cat([ctx.stored(n).to(self.device, torch.float32) for n in names])
         stats = self.stats.pop(group.linears, None)
         entry: dict = {"layer": ctx.layer, "linears": list(group.linears)}
         out: dict[str, torch.Tensor] = {}
@@ -73,7 +79,11 @@ class AWQJob(FolderJob):
             if not torch.isfinite(x_mean).all():
                 raise QuantizationError(f"layer {ctx.layer} {group.linears[0]}: the calibration inputs hold inf or "
                                         f"NaN (the model overflows in {ctx.runtime.compute_dtype}); check its weights")
-            if s.search_scales:
+            if moe is not None:
+                if s.search_scales and expert_scale is not None:   # H was taken before the fold
+                    h = h / (expert_scale[:, None] * expert_scale[None, :]).to(h)
+                    entry["scaled_into"] = moe.norm.weight
+            elif s.search_scales:
                 scale, note = self._scale(ctx, group, w, rows, x_mean, h, entry)
                 if scale is not None:
                     w = torch.cat(list(ctx.fold(group, scale).values())).to(self.device)
@@ -126,6 +136,61 @@ class AWQJob(FolderJob):
         entry.update(scaled_into=group.producer if choice.scale is not None else None, alpha=choice.alpha,
                      loss=choice.loss, unscaled_loss=choice.unscaled_loss)
         return choice.scale, None
+
+    @staticmethod
+    def _routed_input(ctx: LayerContext, group: InputGroup) -> Residual | None:
+        """The mixture-of-experts sub-block whose norm feeds `group` (an expert's gate/up), else None."""
+        if group.producer_kind != "none":
+            return None
+        sub = ctx.residual_of(group)
+        return sub if isinstance(sub.op, MoE) and group in sub.stages[0] else None
+
+    def _balance_experts(self, ctx: LayerContext, sub: Residual) -> torch.Tensor | None:
+        """One scale for everything the MoE block's norm feeds — every expert's gate/up, the shared expert's,
+        and the unquantized router and shared gate (scaled too, so routing is unchanged) — searched once per
+        layer like a norm-fed group: x̄ over every token entering the block, each candidate scored by the whole
+        block's output with all experts' gate/up fake-quantized.  No per-expert scale can be folded: the norm
+        is shared.  Returns the scale (None: unscaled won)."""
+        if self.expert_scale is not None and self.expert_scale[0] == ctx.layer:
+            return self.expert_scale[1]
+        s, op = self.settings, sub.op
+        first = sub.stages[0]
+        linears = [lin for g in first for lin in g.linears]
+        rows, start = {}, 0
+        for lin in linears:
+            rows[lin] = slice(start, start + ctx.source[f"{lin}.weight"].shape[0])
+            start = rows[lin].stop
+        w = torch.cat([ctx.source[f"{lin}.weight"].to(self.device, torch.float32) for lin in linears])
+        abs_sum, tokens = torch.zeros(w.shape[1], dtype=torch.float64, device=self.device), 0
+        for span in ctx.spans():
+            x = apply_norm(sub.norm, ctx.stream[span].to(ctx.runtime.device), ctx.weights).reshape(-1, w.shape[1])
+            abs_sum += x.to(self.device).abs().sum(0, dtype=torch.float64)
+            tokens += x.shape[0]
+        x_mean = (abs_sum / tokens).to(torch.float32)
+        if not torch.isfinite(x_mean).all():
+            raise QuantizationError(f"layer {ctx.layer} {sub.norm.weight}: the calibration inputs hold inf or NaN "
+                                    f"(the model overflows in {ctx.runtime.compute_dtype}); check its weights")
+        windows = ctx.stream.shape[0]
+        some = slice(0, None, 1 if not s.search_samples else -(-windows // s.search_samples))
+        reference = ctx.run(sub, samples=some)
+
+        def loss(candidate: torch.Tensor) -> float:
+            out = ctx.run(sub, {f"{lin}.weight": candidate[rows[lin]] for lin in linears}, samples=some)
+            return float((out.float() - reference.float()).pow(2).mean())
+        choice = search_scale(w, x_mean, loss, s)
+        unquantized = [op.router] + ([op.shared_gate] if op.shared_gate else [])
+        if choice.scale is not None:
+            kind = "norm+1" if sub.norm.unit_offset else "norm"
+            ctx.fold(InputGroup(tuple(linears + unquantized), sub.norm.weight, kind), choice.scale)
+            for name in unquantized:      # no quantize_group hands these back to the stream
+                key = f"{name}.weight"
+                ctx.weights[key] = ctx.replaced[key].to(ctx.weights[key].device, ctx.weights[key].dtype)
+        self.layer_log.append({"layer": ctx.layer, "linears": linears + unquantized,
+                               "tokens": tokens, "balanced": len(first),
+                               "scaled_into": sub.norm.weight if choice.scale is not None else None,
+                               "alpha": choice.alpha, "loss": choice.loss, "unscaled_loss": choice.unscaled_loss})
+        self.expert_scale = (ctx.layer, choice.scale)
+        return choice.scale
 
     @staticmethod
     def _softmax_inputs(ctx: LayerContext) -> set[str]:
