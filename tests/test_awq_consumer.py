@@ -88,7 +88,7 @@ def test_a_mixture_of_experts_loads_in_gptqmodel_and_agrees(tmp_path):
     text.write_text(TINY_TEXT * 3)
     (folder,) = api.convert(str(src), ["awq:4bit-g32"], tmp_path / "out",
                             options={"calib": str(text), "calib_samples": 8, "calib_seqlen": 32, "device": "cpu"})
-    assert consumer.has_experts(folder)
+    assert AWQCheckpoint(folder).has_experts
     from quantkit.model.checkpoint import Checkpoint
     tokens = Checkpoint(src).tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :128].view(4, 32)
     assert _agreement(folder, tokens) >= 0.97

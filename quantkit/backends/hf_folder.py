@@ -27,6 +27,11 @@ from ..model.config import ModelConfig
 from ..model.safetensors_reader import DTYPES, SafetensorsCheckpoint
 from ..model.safetensors_writer import ShardedSafetensorsWriter, TensorSpec
 
+# what the plans of GPTQ and AWQ say of a mixture of experts (the consumers' side, checked in the tests)
+EXPERTS_NOTE = ("mixture of experts: experts stored one linear each under the checkpoint's names, as vLLM reads "
+                "them; transformers 5 fuses experts and cannot load them quantized: use GPTQModel.load(folder) "
+                "(checked for qwen2_moe; GPTQModel 7.7 does not map mixtral's w1/w2/w3 and reads it wrong)")
+
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                 "generation_config.json")

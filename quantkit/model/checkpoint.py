@@ -10,7 +10,7 @@ import torch
 
 from ..errors import DependencyError, SourceError
 from .adapters import ArchAdapter, adapter_for
-from .block import Block, ModelPieces
+from .block import Block, ModelPieces, MoE
 from .config import ModelConfig, read_config_json
 from .safetensors_reader import SafetensorsCheckpoint
 
@@ -43,6 +43,11 @@ class Described:
     @cached_property
     def pieces(self) -> ModelPieces:
         return self.adapter.model_pieces(self.config)
+
+    @cached_property
+    def has_experts(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(isinstance(r.op, MoE) for i in range(self.config.num_layers) for r in self.block(i).residuals)
 
     @cached_property
     def fused_parts(self) -> dict[str, tuple[str, int, int]]:

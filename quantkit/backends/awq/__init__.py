@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .. import Backend, Plan
-from ..hf_folder import plan_rows
+from ..hf_folder import EXPERTS_NOTE, plan_rows
 from ...artifact import model_stem
 from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
@@ -50,11 +50,9 @@ def consumer_notes(model, s: AWQSettings) -> list[str]:
     notes = []
     if s.group_size == -1:
         notes.append("one group per row: transformers + GPTQModel load it; vLLM's AWQ kernels want groups")
-    if any(isinstance(r.op, MoE) for i in range(model.num_layers) for r in model.block(i).residuals):
-        notes.append("mixture of experts: one scale per layer for all experts' gate/up (folded into the norm, "
-                     "router scaled to match); experts stored one linear each under the checkpoint's names, as "
-                     "vLLM reads them; transformers 5 fuses experts and cannot load them quantized: use "
-                     "GPTQModel.load(folder), checked for qwen2_moe (GPTQModel 7.7 misnames mixtral's w1/w2/w3)")
+    if model.has_experts:
+        notes += ["mixture of experts: one scale per layer for all experts' gate/up (folded into the norm, "
+                  "router scaled to match)", EXPERTS_NOTE]
     return notes
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ...errors import DependencyError, SourceError
-from .reader import read_quantization_config
+from .reader import AWQCheckpoint, read_quantization_config
 
 
 def load(folder: Path, dtype=torch.float32):
@@ -21,7 +21,7 @@ def load(folder: Path, dtype=torch.float32):
                               f"gptqmodel, plus its requirements") from None
     if read_quantization_config(folder) is None:
         raise SourceError(f"{folder}: not an AWQ checkpoint")
-    if has_experts(folder):
+    if AWQCheckpoint(folder).has_experts:
         # transformers 5 fuses each layer's experts into one 3D tensor and cannot take per-expert quantized
         # linears (it would start them from random values); GPTQModel's own loader splits the experts again
         from gptqmodel import GPTQModel
@@ -30,13 +30,6 @@ def load(folder: Path, dtype=torch.float32):
         model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype)
     model.eval()
     return model
-
-
-def has_experts(folder: Path) -> bool:
-    from ...model.block import MoE
-    from .reader import AWQCheckpoint
-    m = AWQCheckpoint(folder)
-    return any(isinstance(r.op, MoE) for i in range(m.num_layers) for r in m.block(i).residuals)
 
 
 @torch.no_grad()

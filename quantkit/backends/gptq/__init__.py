@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .. import Backend, Plan
-from ..hf_folder import plan_rows
+from ..hf_folder import EXPERTS_NOTE, plan_rows
 from ...artifact import model_stem
 from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
@@ -62,6 +62,8 @@ def consumer_notes(model, s: GPTQSettings) -> list[str]:
         notes.append("vLLM (0.33) refuses act-order with groups; exllamav2 and transformers + GPTQModel load it")
     if s.bits != 4:
         notes.append("exllamav2 loads only 4-bit GPTQ")
+    if model.has_experts:
+        notes.append(EXPERTS_NOTE)
     return notes
 
 

@@ -39,8 +39,17 @@ def load(folder: Path, backend: str | None = None, dtype=torch.float32):
                         sym=q.get("sym", True), format=q.get("format", "gptq"), act_group_aware=False,
                         block_name_to_quantize=q.get("block_name_to_quantize"),
                         backend=backend or pick_backend(folder, dtype))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype,
-                                                 quantization_config=config)
+    from .reader import GPTQCheckpoint
+    if GPTQCheckpoint(folder).has_experts:
+        # transformers 5 fuses each layer's experts into one 3D tensor and cannot take per-expert quantized
+        # linears (it would start them from random values); GPTQModel's own loader splits the experts again
+        # (its torch kernel computes in half precision only: float32 is asked for as float16)
+        from gptqmodel import GPTQModel
+        half = torch.float16 if dtype == torch.float32 else dtype
+        model = GPTQModel.load(str(folder), device="cpu", dtype=half, backend=config.backend).model
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=dtype,
+                                                     quantization_config=config)
     model.eval()
     return model
 
