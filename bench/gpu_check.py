@@ -7,10 +7,10 @@ Run on a machine with CUDA (bench/gpu_check.sh sets it up on the lent H200); wri
 3. the evaluation harness on CUDA vs CPU on that model: perplexity agreement;
 4. GPTQ 4-bit g128 (with and without act-order) of that model on CUDA and on CPU from the same calibration
    tokens: times, how far the two artifacts' weights are apart, perplexity of each; then the GPU-only
-   consumers when installed (vLLM, exllamav2): does the CUDA-made folder load, and do its logits agree with
-   quantkit's reader (top-1 over the check windows)?
-5. AWQ 4-bit g128 of that model made on CUDA, loaded in vLLM (quantization="awq"), and EXL2 at 4.0 bpw made
-   on CUDA, loaded in exllamav2: top-1 against quantkit's own readers, and the CUDA conversion times.
+   consumers when installed (vLLM, exllamav2), through `quantkit verify`'s own sessions: does the CUDA-made
+   folder load, and do its logits agree with quantkit's reader (verify's verdict and figures)?
+5. AWQ 4-bit g128 of that model made on CUDA, verified in vLLM, and EXL2 at 4.0 bpw made on CUDA, verified in
+   exllamav2 (as is exllamav2's own converter's folder of the same model): the verdicts, the CUDA times.
 """
 from __future__ import annotations
 
@@ -117,7 +117,6 @@ def main(out_dir: Path) -> None:
 
 def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
     from quantkit.backends.gptq.reader import GPTQCheckpoint
-    from quantkit.eval.harness import window_logits
     result: dict = {}
     options = _calib_options(text, out_dir)
     variants = ["gptq:4bit-g128", "gptq:4bit-g128-act"]
@@ -138,9 +137,8 @@ def gptq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda:
             diffs[a.name] = max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
         result["layer0_max_weight_difference_cuda_vs_cpu"] = diffs
     target = folders["cuda" if cuda else "cpu"][0]  # vLLM refuses act-order with groups: the plain one
-    ours = [w.argmax(-1) for w in window_logits(GPTQCheckpoint(target), tokens)]
-    result["vllm"] = _vllm_agreement(target, tokens, ours)
-    result["exllamav2"] = _exllamav2_agreement(target, tokens, ours)
+    result["vllm"] = _in_runtime(target, "vllm")
+    result["exllamav2"] = _in_runtime(target, "exllamav2")
     return result
 
 
@@ -151,31 +149,29 @@ def _calib_options(text: Path, out_dir: Path) -> dict:
     return {"calib": str(calib), "calib_samples": 32, "calib_seqlen": 128, "seed": 0}
 
 
-def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, reader, tokens: torch.Tensor, cuda: bool):
-    """One calibrated artifact made on the fastest device here: its folder, the time, quantkit's top-1 ids."""
-    from quantkit.eval.harness import window_logits
+def _calibrated(src: Path, text: Path, out_dir: Path, fmt: str, cuda: bool):
+    """One calibrated artifact made on the fastest device here: its folder and the time."""
     dev = "cuda" if cuda else "cpu"
     ((folder,), secs) = timed(lambda: api.convert(str(src), [fmt], out_dir / f"{fmt.split(':')[0]}-{dev}", options={
         **_calib_options(text, out_dir), "device": dev}), cuda)
-    ours = [w.argmax(-1) for w in window_logits(reader(folder), tokens)]
-    return folder, {"device": dev, "seconds": round(secs, 2)}, ours
+    return folder, {"device": dev, "seconds": round(secs, 2)}
 
 
 def awq_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
     from quantkit.backends.awq.reader import AWQCheckpoint
-    folder, result, ours = _calibrated(src, text, out_dir, "awq:4bit-g128", AWQCheckpoint, tokens, cuda)
+    folder, result = _calibrated(src, text, out_dir, "awq:4bit-g128", cuda)
     result["quality"] = _quality(AWQCheckpoint(folder), tokens, Checkpoint(src))
-    result["vllm"] = _vllm_agreement(folder, tokens, ours, quantization="awq")
+    result["vllm"] = _in_runtime(folder, "vllm")
     return result
 
 
 def exl2_check(src: Path, text: Path, tokens: torch.Tensor, out_dir: Path, cuda: bool) -> dict:
     from quantkit.backends.exl2.reader import EXL2Checkpoint
-    folder, result, ours = _calibrated(src, text, out_dir, "exl2:4.0bpw", EXL2Checkpoint, tokens, cuda)
+    folder, result = _calibrated(src, text, out_dir, "exl2:4.0bpw", cuda)
     result["achieved_bpw"] = json.loads((folder / "quantkit.json").read_text())["achieved_bpw"]
     base = Checkpoint(src)
     result["quality"] = _quality(EXL2Checkpoint(folder), tokens, base)
-    result["exllamav2"] = _exllamav2_agreement(folder, tokens, ours)
+    result["exllamav2"] = _in_runtime(folder, "exllamav2")
     if cuda:
         result["exllamav2_converter"] = _exllamav2_convert(src, text, out_dir, tokens, base)
     return result
@@ -187,7 +183,6 @@ def _exllamav2_convert(src: Path, text: Path, out_dir: Path, tokens: torch.Tenso
     meant for any exllamav2 folder) and run in exllamav2."""
     import subprocess
     from quantkit.backends.exl2.reader import EXL2Checkpoint
-    from quantkit.eval.harness import window_logits
     import importlib.util
     if importlib.util.find_spec("exllamav2") is None:
         return {"available": False, "why": "exllamav2 is not installed"}
@@ -208,10 +203,8 @@ def _exllamav2_convert(src: Path, text: Path, out_dir: Path, tokens: torch.Tenso
         result["error"] = (proc.stdout + proc.stderr)[-800:]
         return result
     try:
-        theirs_read_by_us = EXL2Checkpoint(folder)
-        result["quality_read_by_quantkit"] = _quality(theirs_read_by_us, tokens, base)
-        ours = [w.argmax(-1) for w in window_logits(theirs_read_by_us, tokens)]
-        result["exllamav2_runs_its_own_folder"] = _exllamav2_agreement(folder, tokens, ours)
+        result["quality_read_by_quantkit"] = _quality(EXL2Checkpoint(folder), tokens, base)
+        result["exllamav2_runs_its_own_folder"] = _in_runtime(folder, "exllamav2")
     except Exception as e:
         result["read_error"] = f"{type(e).__name__}: {e}"[:800]
     return result
@@ -222,48 +215,16 @@ def _quality(model, tokens: torch.Tensor, base) -> dict:
     return {"perplexity": r.perplexity, "mean_kld": r.mean_kld, "top1_vs_base": r.top1_agreement}
 
 
-def _top1(theirs: list[torch.Tensor], ours: list[torch.Tensor]) -> float:
-    same = sum((a.cpu() == b.cpu()).sum().item() for a, b in zip(theirs, ours))
-    return same / sum(t.numel() for t in ours)
-
-
-def _vllm_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor], quantization: str = "gptq") -> dict:
+def _in_runtime(folder: Path, runtime: str) -> dict:
+    """`quantkit verify`'s own check of the folder in a GPU runtime (its sessions, quantkit.verify.sessions):
+    the verdict with its figures (top-1 and KLD against quantkit's reader on verify's text, load time, tokens/s,
+    peak memory), or why it did not run."""
     try:
-        from vllm import LLM, SamplingParams
-    except Exception as e:  # not installed on the device machine: say so
-        return {"available": False, "why": f"{type(e).__name__}: {e}"[:300]}
-    try:
-        llm = LLM(model=str(folder), quantization=quantization, dtype="float16", enforce_eager=True,
-                  gpu_memory_utilization=0.3, max_model_len=tokens.shape[1] + 8)
-        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
-        outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens], params)
-        theirs = []
-        for o in outs:  # prompt_logprobs[k] holds the top-1 for position k given tokens < k
-            top = [max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in o.prompt_logprobs[1:]]
-            theirs.append(torch.tensor(top + [o.outputs[0].token_ids[0]]))
-        return {"available": True, "loaded": True, "top1_agreement": _top1(theirs, ours)}
+        report = api.verify(folder, runtimes=[runtime], tokens=128, generate=8, record=False)
     except Exception as e:
-        return {"available": True, "loaded": False, "error": f"{type(e).__name__}: {e}"[:500]}
-
-
-def _exllamav2_agreement(folder: Path, tokens: torch.Tensor, ours: list[torch.Tensor]) -> dict:
-    try:
-        from exllamav2 import ExLlamaV2, ExLlamaV2Config
-    except Exception as e:
-        return {"available": False, "why": f"{type(e).__name__}: {e}"[:300]}
-    try:
-        config = ExLlamaV2Config(str(folder))
-        model = ExLlamaV2(config)
-        model.load()
-        # exllamav2 keeps the embedding table in CPU memory: input ids go in on the CPU
-        logits = [model.forward(row[None].cpu()).float()[0] for row in tokens]
-        import exllamav2
-        return {"available": True, "version": getattr(exllamav2, "__version__", "?"), "loaded": True,
-                "logits_finite": all(bool(t.isfinite().all()) for t in logits),
-                "top1_agreement": _top1([t.argmax(-1) for t in logits], ours)}
-    except Exception as e:
-        return {"available": True, "loaded": False, "error": f"{type(e).__name__}: {e}"[:500]}
-
+        return {"error": f"{type(e).__name__}: {e}"[:800]}
+    (check,) = report.runtimes
+    return {"verdict": check.verdict, "why": check.why, **check.figures}
 
 if __name__ == "__main__":
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/_work/gpu_check"))

@@ -66,7 +66,7 @@ def inspect(spec: str) -> dict[str, Any]:
     }
 
 
-RUNTIMES = ("quantkit", "llama.cpp", "transformers")
+RUNTIMES = ("quantkit", "llama.cpp", "transformers", "vllm", "exllamav2")
 
 
 def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int = 512, windows: int = 40,
@@ -74,7 +74,8 @@ def evaluate(spec: str, data: str | Path, *, base: str | None = None, ctx: int =
              kv_cache: str | None = None, progress: Progress = null_progress) -> EvalResult:
     """Score a model or artifact.  runtime="quantkit" dequantizes with quantkit's own readers; another runtime
     runs the artifact in the runtime its format names (llama.cpp for GGUF; transformers + GPTQModel for GPTQ,
-    transformers + bitsandbytes for bnb); the base model, if any, always runs in quantkit.
+    transformers + bitsandbytes for bnb; vLLM for GPTQ and AWQ and exllamav2 for GPTQ and EXL2, on a GPU); the
+    base model, if any, always runs in quantkit.
     activations="llama.cpp" makes quantkit's runtime round activations as llama.cpp does before each matmul.
     kv_cache (a runtime's cache type, e.g. "q8_0") keeps the runtime's K/V cache in that type."""
     if runtime not in RUNTIMES:

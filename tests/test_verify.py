@@ -47,8 +47,9 @@ def test_gguf_passes_in_llama_cpp_with_speed_and_memory(artifacts):
 def test_gptq_names_the_default_that_fails_and_the_way_that_loads(artifacts):
     _, folder = artifacts
     report = api.verify(folder, generate=2)
-    (check,) = report.runtimes
-    assert report.passed and check.verdict == "pass", check
+    check, *gpu = report.runtimes
+    assert report.passed and check.runtime == "transformers" and check.verdict == "pass", check
+    assert [(r.runtime, r.verdict) for r in gpu] == [("vllm", "not installed"), ("exllamav2", "not installed")]
     # the demo's in-features 576 are not a multiple of 128: GPTQModel's default CPU kernel refuses them
     assert "the default way (AutoModelForCausalLM.from_pretrained(folder)) fails" in check.why
     assert check.figures["loaded_with"] == 'GPTQConfig(backend="torch") in float32'
@@ -99,7 +100,7 @@ def test_bnb_and_awq_folders_pass_in_transformers(fmt, tmp_path):
     text.write_text(TINY_TEXT * 3)
     (folder,) = api.convert(str(src), [fmt], tmp_path / "out",
                             options={"calib": str(text), "calib_samples": 4, "calib_seqlen": 32, "device": "cpu"})
-    report = api.verify(folder, base=str(src), tokens=64, generate=2)
+    report = api.verify(folder, base=str(src), tokens=64, generate=2, runtimes=["transformers"])
     (check,) = report.runtimes
     assert report.passed and check.runtime == "transformers" and check.verdict == "pass", check
     # the threshold verify states for the dtype the runtime computed in (nf4 computes in bfloat16: 0.90; this
@@ -107,3 +108,29 @@ def test_bnb_and_awq_folders_pass_in_transformers(fmt, tmp_path):
     assert check.figures["top1_agreement"] >= check.figures["thresholds"]["top1_at_least"]
     assert check.figures["decode_tokens_per_s"] > 0
     assert read_record(folder)["verify"]["passed"]
+
+
+def test_gpu_runtimes_are_said_not_run_without_a_gpu(tmp_path, monkeypatch):
+    """vLLM (GPTQ, AWQ) and exllamav2 (GPTQ, EXL2) run only on a GPU: without their package, or with it but
+    without CUDA, verify says which, passes on what it could check, and records it; bench/gpu_check.py runs
+    them where there is a GPU."""
+    import torch
+    from conftest import TINY_TEXT, make_checkpoint
+    src = make_checkpoint(tmp_path / "src", hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=64)
+    text = tmp_path / "calib.txt"
+    text.write_text(TINY_TEXT * 3)
+    (folder,) = api.convert(str(src), ["exl2:4.0bpw"], tmp_path / "out",
+                            options={"calib": str(text), "calib_samples": 4, "calib_seqlen": 32, "device": "cpu"})
+    backend = registered_backends()["exl2"]
+    if importlib.util.find_spec("exllamav2") is None:
+        report = api.verify(folder, tokens=16, generate=2)
+        (check,) = report.runtimes
+        assert report.passed and check.verdict == "not installed" and "exllamav2" in check.why
+    monkeypatch.setattr(backend, "runtime_packages", {"exllamav2": ("torch",)})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = api.verify(folder, tokens=16, generate=2)
+    (check,) = report.runtimes
+    assert check.runtime == "exllamav2" and check.verdict == "not installed", check
+    assert "only on a CUDA GPU" in check.why and read_record(folder)["verify"]["passed"]
+    r = run_cli("eval", str(folder), "--runtime", "llama.cpp", "--data", str(text), "--ctx", "16", "--windows", "1")
+    assert r.returncode == 2 and "llama.cpp runs gguf artifacts" in r.stderr, r.stderr

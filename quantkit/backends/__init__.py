@@ -136,12 +136,23 @@ class Backend:
     def runtime_missing(self, runtime: str) -> str | None:
         import importlib.util
         missing = [m for m in self.runtime_packages.get(runtime, ()) if importlib.util.find_spec(m) is None]
-        return f"needs {', '.join(missing)} (not installed here)" if missing else None
+        if missing:
+            return f"needs {', '.join(missing)} (not installed here)"
+        import torch
+        if runtime in GPU_RUNTIMES and not torch.cuda.is_available():
+            return f"{runtime} runs only on a CUDA GPU (none here)"
+        return None
 
     def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
         """The ways a user loads the artifact in `runtime`, the one they would try first first: (how, a callable
         returning a quantkit.verify.sessions session) pairs, for `quantkit verify`."""
         raise NotImplementedError
+
+
+# runtimes that run only on a GPU: verify says so instead of trying them on a machine without one
+GPU_RUNTIMES = ("vllm", "exllamav2")
+VLLM_WAY = "vllm.LLM(folder)"
+EXLLAMAV2_WAY = "ExLlamaV2(ExLlamaV2Config(folder))"
 
 
 # quantkit's own formats, also found when the package runs from a source tree without installed metadata.

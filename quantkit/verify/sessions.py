@@ -73,3 +73,86 @@ class LlamaCppSession:
             self.llm.eval([tok])
             self._n += 1
         return made
+
+
+class ExLlamaV2Session:
+    """A folder in exllamav2 (EXL2, or GPTQ through its own kernels) on the GPU, with a K/V cache of `ctx`.
+    exllamav2 runs only on CUDA/ROCm: this is exercised by bench/gpu_check.py on a GPU machine."""
+
+    def __init__(self, folder: Path, ctx: int, how: str):
+        from exllamav2 import ExLlamaV2, ExLlamaV2Cache, ExLlamaV2Config
+        config = ExLlamaV2Config(str(folder))
+        config.max_seq_len = max(ctx, 16)
+        self.model = ExLlamaV2(config)
+        self.model.load()
+        self.cache = ExLlamaV2Cache(self.model, max_seq_len=config.max_seq_len)
+        self.how, self.dtype = how, "float16"
+
+    @torch.no_grad()
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        self.cache.current_seq_len = 0
+        # exllamav2 keeps the embedding table in CPU memory: input ids go in on the CPU
+        logits = self.model.forward(torch.tensor([ids]), self.cache, last_id_only=False)
+        self._last = logits[0, -1]
+        return logits[0].float().cpu()
+
+    @torch.no_grad()
+    def decode(self, n: int) -> list[int]:
+        made = []
+        for _ in range(n):
+            tok = int(self._last.argmax())
+            made.append(tok)
+            self._last = self.model.forward(torch.tensor([[tok]]), self.cache)[0, -1]
+        return made
+
+
+class VLLMSession:
+    """A folder in vLLM (GPTQ or AWQ kernels) on the GPU, float16.  vLLM returns log-probabilities, not logits:
+    the full vocabulary's log-probabilities of every prompt position stand in for them (the same softmax, so
+    the same top-1 and KLD).  Exercised by bench/gpu_check.py where vLLM is installed."""
+
+    def __init__(self, folder: Path, ctx: int, how: str):
+        from vllm import LLM
+        self.llm = LLM(model=str(folder), dtype="float16", enforce_eager=True,
+                       gpu_memory_utilization=0.4, max_model_len=max(ctx, 16), max_logprobs=-1)
+        self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        self.how, self.dtype = how, "float16"
+
+    def _row(self, logprobs: dict) -> torch.Tensor:
+        row = torch.full((self.vocab,), float("-inf"))
+        for tok, lp in logprobs.items():
+            row[tok] = lp.logprob
+        return row
+
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=self.vocab, logprobs=self.vocab)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        self._ids = list(ids)
+        # prompt_logprobs[k]: position k given the tokens before it (None at 0); the last position's is the output's
+        rows = [self._row(d) for d in out.prompt_logprobs[1:]] + [self._row(out.outputs[0].logprobs[0])]
+        return torch.stack(rows)
+
+    def decode(self, n: int) -> list[int]:
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        return list(self.llm.generate([{"prompt_token_ids": self._ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def first_session(loaders: list):
+    """The session of the first loader that loads (the order a user would try them), for `quantkit eval
+    --runtime R` on a runtime driven through sessions; the last error when none does."""
+    error = None
+    for _, load in loaders:
+        try:
+            return load()
+        except Exception as e:     # this way does not load: try the next documented one
+            error = e
+    raise error
+
+
+def session_window_logits(loaders: list, tokens: torch.Tensor):
+    """Each window's logits (ctx, vocab) from the first session that loads."""
+    session = first_session(loaders)
+    for row in tokens:
+        yield session.prompt_logits(row.tolist())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .. import Backend, Plan, PlanRow
+from .. import EXLLAMAV2_WAY, Backend, Plan, PlanRow
 from ...artifact import model_stem
 from ...device import resolve_device
 from ...errors import UsageError
@@ -140,6 +140,17 @@ class EXL2Backend(Backend):
         if activations != "exact":
             raise UsageError("--activations: use the default (exact) for EXL2")
         return EXL2Checkpoint(Path(path))
+
+    runtimes = ("exllamav2",)
+    runtime_packages = {"exllamav2": ("exllamav2",)}
+
+    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
+        from ...verify.sessions import session_window_logits
+        return session_window_logits(self.runtime_loaders(path, runtime, tokens.shape[1]), tokens)
+
+    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
+        from ...verify.sessions import ExLlamaV2Session
+        return [(EXLLAMAV2_WAY, lambda: ExLlamaV2Session(Path(path), ctx, EXLLAMAV2_WAY))]
 
     def describe_artifact(self, path: Path) -> dict:
         m = EXL2Checkpoint(Path(path))
