@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 RUNS = [["gguf:Q4_K_M"], ["gguf:Q4_K_M", "--imatrix"], ["gptq:4bit-g128"], ["awq:4bit-g64"], ["exl2:4.0bpw"],
-        ["bnb:nf4"], ["bnb:int8"], ["gptq:4bit-g128", "-f", "awq:4bit-g64"]]
+        ["bnb:nf4"], ["bnb:int8"], ["gptq:4bit-g128", "-f", "awq:4bit-g64"], ["gguf:Q4_K_M", "--error-feedback"],
+        ["gguf:IQ2_XS", "--imatrix"]]
 FIGURES = [("peak RAM", "peak_ram_bytes", "rss"), ("disk final", "disk_final_bytes", "final"),
            ("disk peak", "disk_bytes", "disk_peak"), ("time", "seconds", "wall")]
 
@@ -132,7 +133,7 @@ def main() -> None:
         for run in [RUNS[i] for i in picked] if picked else RUNS:
             formats = [f for f in run if not f.startswith("-")]
             r = measure(model, run, a.work / "out", common)
-            r.update(model=label, formats=" + ".join(formats) + (" --imatrix" if "--imatrix" in run else ""),
+            r.update(model=label, formats=" + ".join(formats) + "".join(f" {f}" for f in run if f.startswith("--")),
                      date=dt.date.today().isoformat())
             r["ratios"] = {name: round(r["estimate"][e] / max(r["measured"][m], 1e-9), 3) for name, e, m in FIGURES}
             rows.append(r)

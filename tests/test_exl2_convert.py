@@ -99,7 +99,7 @@ def test_targets_of_one_run_share_one_measurement(model, calib_text, four_bit, t
     from quantkit.backends.exl2.job import EXL2Job
     measured = []
     original = EXL2Job._measure
-    monkeypatch.setattr(EXL2Job, "_measure", lambda self, ctx, sub: (measured.append(ctx.layer), original(self, ctx, sub)))
+    monkeypatch.setattr(EXL2Job, "_measure", lambda self, ctx, *a: (measured.append(ctx.layer), original(self, ctx, *a)))
     folders = api.convert(str(model), ["exl2:3.0bpw", "exl2:4.0bpw"], tmp_path,
                           options={**CALIB, "calib": str(calib_text)})
     assert len(measured) == 4                      # 2 layers x (attention, MLP), not twice that
@@ -133,11 +133,46 @@ def test_bad_input_is_one_line(model, calib_text, tmp_path, args, message):
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_mixtures_of_experts_are_refused_in_one_line(tmp_path, calib_text):
+@pytest.mark.parametrize("family, moe_key, expert", [
+    ("mixtral", "block_sparse_moe", "block_sparse_moe.experts.{e}.w{w}"),
+    ("qwen3_moe", "mlp", "mlp.experts.{e}.{p}_proj"),
+])
+def test_mixtures_of_experts_are_measured_as_exllamav2_does(tmp_path, calib_text, family, moe_key, expert):
+    """A mixture is one slot per layer: its options name the experts' gate/up/down w1/w3/w2 (exllamav2's
+    measurement of mixtral and qwen3_moe), every expert takes the option's layout, the bits of all experts
+    count; the budget holds; the router stays float16; the reader's model is close to the source."""
+    extra = (dict(num_local_experts=4) if family == "mixtral" else
+             dict(num_experts=4, moe_intermediate_size=64, head_dim=32, decoder_sparse_step=1, mlp_only_layers=[]))
+    src = make_checkpoint(tmp_path / family, family, hidden=64, intermediate=64, heads=4, kv_heads=2,
+                          num_experts_per_tok=2, train_steps=30, **extra)
+    (folder,) = api.convert(str(src), ["exl2:4.0bpw"], tmp_path / "out", options={**CALIB, "calib": str(calib_text)})
+    m = json.loads((folder / "measurement.json").read_text())["measurement"]
+    assert set(m) == {f"model.layers.{i}.{k}" for i in range(2) for k in ("self_attn", moe_key)}
+    option = m[f"model.layers.0.{moe_key}"][0]
+    assert {"accuracy", "total_bits", "w1", "w3", "w2"} <= set(option)
+    st = SafetensorsCheckpoint(folder)
+    names = set(st.names())
+    router = f"model.layers.0.{moe_key}.gate.weight"
+    assert router in names and st.entries[router].dtype == "F16"
+    for e in range(4):
+        linears = ([expert.format(e=e, w=w) for w in (1, 2, 3)] if family == "mixtral" else
+                   [expert.format(e=e, p=p) for p in ("gate", "up", "down")])
+        assert all(f"model.layers.1.{lin}.q_weight" in names for lin in linears)
+    info = json.loads((folder / "quantkit.json").read_text())
+    assert info["achieved_bpw"] <= 4.0 and len(info["sub_blocks"]) == 4
+    (high,) = api.convert(str(src), ["exl2:8.0bpw-h8"], tmp_path / "out8", options={
+        **CALIB, "calib": str(calib_text), "measurement": str(folder / "measurement.json")})
+    base = Checkpoint(src)
+    tokens = base.tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :96].reshape(3, 32)
+    kld = [evaluate(EXL2Checkpoint(f), tokens, base=base, device="cpu").mean_kld for f in (folder, high)]
+    assert kld[1] < 1e-3 and kld[1] < kld[0] < 0.1, kld
+
+
+def test_a_shared_expert_is_refused_in_one_line(tmp_path, calib_text):
     src = make_checkpoint(tmp_path / "moe", "qwen2_moe", hidden=64, intermediate=128, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     r = run_cli("convert", str(src), "-f", "exl2:4.0bpw", "--calib", str(calib_text), "--dry-run")
-    assert r.returncode == 2 and "mixture of experts" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and "shared expert" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 DEMO_MEASUREMENT = ROOT / "tests" / "data" / "exl2_demo_measurement.json.gz"
@@ -159,5 +194,5 @@ def test_demo_budget_is_met_within_0_02_bpw_and_beats_greedy(target, tmp_path):
     info = job.summary()
     assert target - 0.02 <= info["achieved_bpw"] <= target and info["allocated_bits"] <= info["budget_bits"]
     slots = [[allocate.Option(int(m["total_bits"]), 1 - float(m["accuracy"])) for m in measurement["measurement"][key]]
-             for _, key, _ in job.slots]
+             for key in (slot.key for slot in job.slots)]
     assert job.allocation.error <= allocate.greedy(slots, info["budget_bits"]).error

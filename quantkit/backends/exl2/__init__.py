@@ -81,9 +81,9 @@ class EXL2Backend(Backend):
         measurement = settings.load_measurement()
         rows = []
         weights = 0
-        for layer, key, names in slots(model):
-            prefix = model.adapter.prefix(layer)
-            for n in names:
+        for slot in slots(model):
+            prefix = model.adapter.prefix(slot.layer)
+            for n in slot.linears:
                 e = model.weights.entries[f"{prefix}{n}.weight"]
                 weights += e.numel
                 rows.append(PlanRow(f"{prefix}{n}", tuple(e.shape), f"exl2 ~{s.target_bpw} bpw",
@@ -189,22 +189,24 @@ def _time_estimate(model, samples: int, seqlen: int, s, measure: bool, device: t
     shapes = layer_shapes(model)
     blocks = _layer0_tables(model)
     cost = _probe_quantize(blocks, shapes, s, device)
-    layer_weights = sum(shapes[lin][0] * shapes[lin][1] for names, _ in blocks for lin in names)
+    layer_weights = sum(shapes[lin][0] * shapes[lin][1] for slot in blocks for lin in slot.linears)
     own = 0.0
-    for names, table in blocks:
+    for slot in blocks:
+        names, table = slot.linears, slot.table
         own += sum(cost(shapes[lin]) for lin in names)                                   # pass 2
         if measure:
             share = sum(shapes[lin][0] * shapes[lin][1] for lin in names) / layer_weights
             windows = min(samples, s.measure_samples or samples)
-            own += sum(cost(shapes[lin], lay) for lin, layouts in zip(names, distinct(table)) for lay in layouts)
+            positions = distinct(table)
+            own += sum(cost(shapes[lin], lay) for lin, p in zip(names, slot.positions) for lay in positions[p])
             own += len(table) * per_window / 2 * share * windows
     head = cost((model.config.vocab_size, model.config.hidden_size))
     return walk * (2 if measure else 1), own * model.num_layers + head
 
 
-def _layer0_tables(model) -> list[tuple[tuple[str, ...], tuple]]:
-    """Layer 0's attention and MLP: their linears in table order and the option table each is measured with."""
-    return [(names, ATTENTION_OPTIONS if len(names) == 4 else MLP_OPTIONS) for _, _, names in slots(model)[:2]]
+def _layer0_tables(model) -> list:
+    """Layer 0's sub-blocks (attention, MLP or mixture): their linears and the option table each is measured with."""
+    return [slot for slot in slots(model) if slot.layer == 0]
 
 
 def _probe_quantize(blocks: list, shapes: dict, s, device: torch.device):
@@ -228,11 +230,12 @@ def _probe_quantize(blocks: list, shapes: dict, s, device: torch.device):
         algorithm.quantize(w, prep(w.shape[1]), lay)
         return time.perf_counter() - t0
 
-    linears = [n for names, _ in blocks for n in names]
-    per_shape = {shapes[n]: timed(torch.randn(shapes[n], generator=gen).to(device), base) for n in linears}
+    linears = [n for slot in blocks for n in slot.linears]
+    per_shape = {sh: timed(torch.randn(sh, generator=gen).to(device), base) for sh in dict.fromkeys(shapes[n] for n in linears)}
     ratio = {}
-    for names, table in blocks:
-        big = max(names, key=lambda n: shapes[n][0] * shapes[n][1])
+    for slot in blocks:
+        table = slot.table
+        big = max(slot.linears, key=lambda n: shapes[n][0] * shapes[n][1])
         w = torch.randn(min(shapes[big][0], 1024), shapes[big][1], generator=gen).to(device)
         reference = timed(w, base)
         for layouts in distinct(table):

@@ -28,8 +28,8 @@ from ...model.block import InputGroup
 from ..hf_folder import FolderJob, LayerJobWriter
 from . import algorithm
 from .allocate import Allocation, Option, solve
-from .layout import ATTENTION_KEYS, MLP_KEYS, checkpoint_specs, head_name, quantization_config, slots
-from .layouts import ATTENTION_OPTIONS, HEAD_OPTIONS, MLP_OPTIONS, RowLayout, distinct
+from .layout import checkpoint_specs, head_name, quantization_config, slots
+from .layouts import HEAD_OPTIONS, RowLayout, distinct
 from .packing import pack_linear
 
 
@@ -41,13 +41,12 @@ class EXL2Job(FolderJob):
                  measurer: bool = True, save_measurement: Path | None = None, **kw):
         super().__init__(model, settings, variant, folder, None, **kw)
         self.slots = slots(model)
-        # (layer, a linear of the sub-block) -> (exllamav2's module key, the sub-block's linears in table order)
-        self.slot_of = {(layer, lin): (key, names) for layer, key, names in self.slots for lin in names}
+        self.slot_of = {(slot.layer, lin): slot for slot in self.slots for lin in slot.linears}
         # sub-block key -> its options' results; shared with the run's other exl2 jobs, of which only the
         # measurer fills it (the others join at pass 2)
         self.measurement: dict = {} if measurement is None else measurement
         self.save_measurement = save_measurement
-        self.passes = 1 if all(key in self.measurement for _, key, _ in self.slots) else 2
+        self.passes = 1 if all(slot.key in self.measurement for slot in self.slots) else 2
         self.first_pass = 0 if measurer or self.passes == 1 else 1
         self.stats = GroupStats(device=self.device)
         self.prepared: dict[str, algorithm.Prepared] = {}        # linear -> its input's factorization
@@ -92,52 +91,56 @@ class EXL2Job(FolderJob):
 
     # --- the capture pass -----------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
-        if not self.quantizing and self.slot_of[(ctx.layer, group.linears[0])][0] in self.measurement:
+        if not self.quantizing and self.slot_of[(ctx.layer, group.linears[0])].key in self.measurement:
             return                       # measured by an earlier run (a measurement file given in part)
         self.stats.add(group, x)
 
     def quantize_group(self, ctx: LayerContext, group: InputGroup) -> dict[str, torch.Tensor]:
         acc = self.stats.pop(group.linears, None)
-        if acc is None:
-            return {}
-        prep = algorithm.prepare(acc.value(), self.settings.damp)
+        slot = self.slot_of[(ctx.layer, group.linears[0])]
+        if acc is None and (not slot.routed or (not self.quantizing and slot.key in self.measurement)):
+            return {}                    # a sub-block measured by an earlier run
+        if acc is None:                  # an expert no calibration token reached: the grid's rounding, no feedback
+            h = torch.eye(ctx.source[f"{group.linears[0]}.weight"].shape[1], device=self.device)
+        else:
+            h = acc.value()
+        prep = algorithm.prepare(h, self.settings.damp)
         if self.quantizing:
             return self._quantize(ctx, group, prep)
         for lin in group.linears:
             self.prepared[lin] = prep
         sub = ctx.residual_of(group)
-        if group in sub.stages[-1]:     # every input of the sub-block seen: measure its options
-            self._measure(ctx, sub)
+        if group == sub.stages[-1][-1]:  # every input of the sub-block seen: measure its options
+            self._measure(ctx, sub, slot)
         return {}                        # the measurement's stream stays unquantized
 
-    def _measure(self, ctx: LayerContext, sub) -> None:
-        key, names = self.slot_of[(ctx.layer, sub.stages[0][0].linears[0])]
-        table, keys = (ATTENTION_OPTIONS, ATTENTION_KEYS) if len(names) == 4 else (MLP_OPTIONS, MLP_KEYS)
+    def _measure(self, ctx: LayerContext, sub, slot) -> None:
         windows = ctx.stream.shape[0]
         n = self.settings.measure_samples
         some = slice(0, None, 1 if not n else -(-windows // n))
-        weights = {lin: ctx.source[f"{lin}.weight"] for lin in names}
+        positions = distinct(slot.table)
         bits = {}
-        for lin, options in zip(names, distinct(table)):
-            w = weights[lin]
-            for lay in options:
+        for lin, p in zip(slot.linears, slot.positions):
+            w = ctx.source[f"{lin}.weight"]
+            for lay in positions[p]:
                 self.candidates[(lin, lay)] = algorithm.quantize(w, self.prepared[lin], lay).weight
                 bits[(lin, lay)] = lay.total_bits(w.shape[1], w.shape[0], f"{lin}.bias" in ctx.source)
         x = ctx.stream[some].float()
         reference = x + ctx.run(sub, samples=some).float()
         norms = torch.linalg.vector_norm(reference.flatten(1), dim=1)
         results = []
-        for option in table:
-            out = x + ctx.run(sub, {f"{lin}.weight": self.candidates[(lin, lay)] for lin, lay in zip(names, option)},
+        for option in slot.table:
+            chosen = slot.layouts(option)
+            out = x + ctx.run(sub, {f"{lin}.weight": self.candidates[(lin, lay)] for lin, lay in chosen.items()},
                               samples=some).float()
             rel = torch.linalg.vector_norm((out - reference).flatten(1), dim=1) / norms
             entry = {"accuracy": max(1e-6, 1 - rel.mean().item()),
-                     "total_bits": sum(bits[(lin, lay)] for lin, lay in zip(names, option))}
-            entry.update({k: lay.to_dict() for k, lay in zip(keys, option)})
+                     "total_bits": sum(bits[(lin, lay)] for lin, lay in chosen.items())}
+            entry.update({k: lay.to_dict() for k, lay in zip(slot.keys, option)})
             results.append(entry)
-        self.measurement[key] = results
+        self.measurement[slot.key] = results
         self.candidates.clear()
-        for lin in names:
+        for lin in slot.linears:
             self.prepared.pop(lin, None)
         self._save_measurement()
 
@@ -155,15 +158,19 @@ class EXL2Job(FolderJob):
     def _allocate(self) -> None:
         s = self.settings
         options, weights = [], 0
-        for layer, key, names in self.slots:
-            prefix = self.model.adapter.prefix(layer)
-            keys = ATTENTION_KEYS if len(names) == 4 else MLP_KEYS
-            measured = self.measurement.get(key)
+        for slot in self.slots:
+            prefix = self.model.adapter.prefix(slot.layer)
+            measured = self.measurement.get(slot.key)
             if not measured:
-                raise UsageError(f"exl2: the measurement has no entry for {key}")
-            options.append([(Option(int(m["total_bits"]), 1 - float(m["accuracy"])),
-                             {prefix + n: RowLayout.from_dict(m[k]) for n, k in zip(names, keys)}) for m in measured])
-            weights += sum(e.numel for n in names for e in [self.model.weights.entries[f"{prefix}{n}.weight"]])
+                raise UsageError(f"exl2: the measurement has no entry for {slot.key}")
+            try:
+                options.append([(Option(int(m["total_bits"]), 1 - float(m["accuracy"])),
+                                 {prefix + n: RowLayout.from_dict(m[slot.keys[p]])
+                                  for n, p in zip(slot.linears, slot.positions)}) for m in measured])
+            except KeyError as e:
+                raise UsageError(f"exl2: the measurement's options for {slot.key} have no {e}: measured for another "
+                                 f"model") from None
+            weights += sum(self.model.weights.entries[f"{prefix}{n}.weight"].numel for n in slot.linears)
         budget = int(weights * s.target_bpw)
         try:
             self.allocation = solve([[o for o, _ in slot] for slot in options], budget)
@@ -193,9 +200,9 @@ class EXL2Job(FolderJob):
                 self.writer.put(f"{row.name}.{suffix}", t)
         self.writer.put_layer_rest(ctx)   # norms and biases, in float16 as planned
         self.layer_log.extend(
-            {"sub_block": key, "option": self.allocation.choice[i],
-             "predicted_error": round(1 - self.measurement[key][self.allocation.choice[i]]["accuracy"], 8)}
-            for i, (layer, key, _) in enumerate(self.slots) if layer == ctx.layer)
+            {"sub_block": slot.key, "option": self.allocation.choice[i],
+             "predicted_error": round(1 - self.measurement[slot.key][self.allocation.choice[i]]["accuracy"], 8)}
+            for i, slot in enumerate(self.slots) if slot.layer == ctx.layer)
         if ctx.layer == self.model.num_layers - 1:
             self._quantize_head(ctx)
 

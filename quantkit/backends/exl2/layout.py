@@ -3,19 +3,22 @@ linear, embeddings and norms in float16, the quantization_config exllamav2's con
 models quantkit can write this way."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...errors import UsageError
-from ...model.block import Attention, GatedMLP
+from ...model.block import Attention, GatedMLP, MoE
 from ...model.safetensors_writer import TensorSpec
 from ..hf_folder import checkpoint_specs as hf_checkpoint_specs
-from .layouts import RowLayout
+from .layouts import ATTENTION_OPTIONS, MLP_OPTIONS, RowLayout
 from .packing import packed_rows, padded_columns
 
 EXLLAMAV2_VERSION = "0.3.2"          # the release whose layout this is (frozen since 2025-07)
 # exllamav2's fixed names for the positions of its option tables
 ATTENTION_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_KEYS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_KEYS = ("w1", "w3", "w2")     # a mixture's option names its experts' gate, up, down as Mixtral's modules
 
 
 def linear_specs(name: str, rows: int, columns: int, bias: bool, layout: RowLayout) -> list[TensorSpec]:
@@ -52,22 +55,43 @@ def quantization_config(target_bpw: float, head_bits: int, rows: int, length: in
             "calibration": {"rows": rows, "length": length, "dataset": dataset}}
 
 
-def slots(model) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(layer, exllamav2's module key, the linears in table order) per sub-block the allocation chooses for."""
+@dataclass(frozen=True)
+class Slot:
+    """One sub-block the allocation chooses an option for: exllamav2's module key ("<prefix>self_attn", "…mlp",
+    "…block_sparse_moe"), its linears (a mixture's: every expert's gate, up, down), each linear's position in the
+    option table (an expert's gate/up/down take the same option in every expert, as exllamav2 measures them), and
+    the table with exllamav2's name for each position."""
+    layer: int
+    key: str
+    linears: tuple[str, ...]
+    positions: tuple[int, ...]
+    table: tuple
+    keys: tuple[str, ...]
+    routed: bool = False          # experts: an expert no calibration token reached has no input statistics
+
+    def layouts(self, option) -> dict[str, RowLayout]:
+        return {lin: option[p] for lin, p in zip(self.linears, self.positions)}
+
+
+def slots(model) -> list[Slot]:
+    """The sub-blocks the allocation chooses for, in model order."""
     out = []
     for i in range(model.num_layers):
         prefix = model.adapter.prefix(i)
         for r in model.block(i).residuals:
             op = r.op
             if isinstance(op, Attention):
-                names = (op.q, op.k, op.v, op.o)
+                names, positions, table, keys = (op.q, op.k, op.v, op.o), (0, 1, 2, 3), ATTENTION_OPTIONS, ATTENTION_KEYS
             elif isinstance(op, GatedMLP):
-                names = (op.gate, op.up, op.down)
+                names, positions, table, keys = (op.gate, op.up, op.down), (0, 1, 2), MLP_OPTIONS, MLP_KEYS
+            elif op.shared is not None:
+                raise UsageError(f"exl2: {model.config.model_type} layer {i} has a shared expert, which exllamav2 "
+                                 f"does not load (its mixtures are mixtral's and qwen3_moe's); use gguf or gptq")
             else:
-                raise UsageError(f"exl2: {model.config.model_type} layer {i} has a mixture of experts, which quantkit's "
-                                 f"EXL2 does not measure yet; use gguf or gptq for this model")
-            module = names[0].split(".")[0]          # self_attn, mlp
-            out.append((i, f"{prefix}{module}", names))
+                names = tuple(n for e in op.experts for n in (e.gate, e.up, e.down))
+                positions, table, keys = (0, 1, 2) * len(op.experts), MLP_OPTIONS, EXPERT_KEYS
+            module = names[0].split(".")[0]          # self_attn, mlp, block_sparse_moe
+            out.append(Slot(i, f"{prefix}{module}", names, positions, table, keys, isinstance(op, MoE)))
     return out
 
 

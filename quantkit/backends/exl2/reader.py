@@ -51,15 +51,18 @@ class EXL2Checkpoint(QuantizedFolder):
             if not name.startswith(prefix):
                 continue
             rows = lambda rel: self.weights.entries[f"{prefix}{rel}.q_invperm"].shape[0]
+
+            def mlp(m: GatedMLP) -> dict[str, int]:
+                return {m.gate: rows(m.down), m.up: rows(m.down), m.down: self.config.hidden_size}
             for r in self.block(i).residuals:
                 op = r.op
                 if isinstance(op, Attention):
                     kv = op.num_kv_heads * op.head_dim
                     outs = {op.q: rows(op.o), op.k: kv, op.v: kv, op.o: self.config.hidden_size}
                 elif isinstance(op, GatedMLP):
-                    outs = {op.gate: rows(op.down), op.up: rows(op.down), op.down: self.config.hidden_size}
-                else:
-                    continue
+                    outs = mlp(op)
+                else:                                  # a mixture: each expert is a gated MLP
+                    outs = {k: v for e in op.experts for k, v in mlp(e).items()}
                 rel = name[len(prefix):]
                 if rel in outs:
                     return outs[rel]
