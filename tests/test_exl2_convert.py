@@ -168,6 +168,19 @@ def test_mixtures_of_experts_are_measured_as_exllamav2_does(tmp_path, calib_text
     assert kld[1] < 1e-3 and kld[1] < kld[0] < 0.1, kld
 
 
+def test_an_expert_no_calibration_token_reached_is_still_quantized(tmp_path, calib_text):
+    """Six tokens, top-1 of eight experts: some experts see nothing, and are rounded on the grid (H = I)."""
+    src = make_checkpoint(tmp_path / "moe", "mixtral", hidden=64, intermediate=64, heads=4, kv_heads=2,
+                          num_local_experts=8, num_experts_per_tok=1)
+    (folder,) = api.convert(str(src), ["exl2:5.0bpw"], tmp_path / "out",
+                            options={**CALIB, "calib": str(calib_text), "calib_samples": 1, "calib_seqlen": 6})
+    w, w0 = EXL2Checkpoint(folder).layer(1), Checkpoint(src).layer(1)
+    for e in range(8):
+        name = f"block_sparse_moe.experts.{e}.w2.weight"
+        err = (w[name] - w0[name].float()).abs().max().item()
+        assert 0 < err < 0.25 * w0[name].float().abs().max().item(), (e, err)
+
+
 def test_a_shared_expert_is_refused_in_one_line(tmp_path, calib_text):
     src = make_checkpoint(tmp_path / "moe", "qwen2_moe", hidden=64, intermediate=128, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
