@@ -35,6 +35,7 @@ class Resources:
     forward_seconds: float = 0.0
     final_disk: int = 0         # the artifact as written: tensors, headers, tokenizer, configs, record
     scratch_disk: int = 0       # beside it while the run goes: commit points for crash resume
+    spill_disk: int = 0         # bytes a job keeps on disk until its file is written from them (GGUF error feedback)
     stream: int = 0             # a calibrated job's hidden states: what a commit point copies and writes
     setup_seconds: float = 0.0  # a calibrated run's tokenizer and calibration tokens, loaded once for all its jobs
     after_pass_ram: int = 0     # a calibrated job's work once the pass is over (GGUF --imatrix encodes then)
@@ -279,7 +280,10 @@ def combine(estimates: list[Resources], device: str, resume: bool = True) -> Run
     final = sum(r.final_disk for r in estimates)
     during = sum(r.final_disk for r in calibrated if not r.written_after_pass)
     scratch = sum(r.scratch_disk for r in estimates) + 2 * copies
-    return RunEstimate(peak_ram, peak_device, final, max(0, during + scratch - final), seconds, device)
+    # a spill is there during the pass and still beside the file written from it after the pass
+    spill = sum(r.spill_disk for r in estimates)
+    peak = max(during + scratch, final) + spill
+    return RunEstimate(peak_ram, peak_device, final, peak - final, seconds, device)
 
 
 def available_ram() -> int:

@@ -225,6 +225,6 @@ def test_the_dry_run_counts_the_pass_and_the_scratch_file(tiny_gguf_source, cali
         str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path, options={**options, "imatrix": True})[0].rows]
     linears = sum(r.bytes for r in fb.rows if (r.tensor.startswith("blk.") and r.tensor.endswith(".weight")
                                                 and "norm" not in r.tensor) or r.tensor == "output.weight")
-    assert fb.resources.scratch_disk == linears > 0
+    assert fb.resources.spill_disk == linears > 0
     assert fb.resources.own_seconds > plain.resources.own_seconds
     assert "error feedback's pass" in fb.extra["time (estimate)"]

@@ -184,7 +184,9 @@ class GGUFBackend(Backend):
             r.calibrated, r.shared_ram = True, pass_ram(model, settings.run.calib_seqlen)
             r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             head = model.config.vocab_size * model.config.hidden_size   # read whole, fed back in slices
-            head_ram = head * 2 + 12 * min(model.config.vocab_size, HEAD_ROWS) * model.config.hidden_size
+            # a slice's float32 rows, the feedback's working copies and the block search: ~17 bytes per weight
+            # measured on the demo's head (2026-12-05: +216 MB over the pass for its 16384 × 576 slices)
+            head_ram = head * 2 + 20 * min(model.config.vocab_size, HEAD_ROWS) * model.config.hidden_size
             r.own_ram = r.stream + 4 * widest ** 2 * 3 + max(12 * tallest, head_ram)
             r.forward_seconds += feedback_pass
             r.own_seconds += feedback_own
@@ -192,7 +194,7 @@ class GGUFBackend(Backend):
             # the decoder linears' and the head's bytes wait beside the output until the file is written
             stored = {f"{lin.name}.weight" for layer in model.stored_linears for lin in layer}
             spilled = {t.name for t in tensors if t.source in stored} | {head_tensor(_planned_types(rows))}
-            r.scratch_disk += sum(row.bytes for row in rows if row.tensor in spilled)
+            r.spill_disk += sum(row.bytes for row in rows if row.tensor in spilled)
         if device.type == "cpu":
             how = ("off (QUANTKIT_COMPILE=0)" if fusion.compile_mode() == "never" else
                    "built if missing, then used" if compiled else "used where already built, else eager")
