@@ -74,21 +74,3 @@ def test_synthetic_llama_at_g128_loads_in_transformers_and_agrees(tmp_path):
     from quantkit.model.checkpoint import Checkpoint
     tokens = Checkpoint(src).tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :256].view(4, 64)
     assert _agreement(folder, tokens) >= 0.995
-
-
-def test_a_mixture_of_experts_loads_in_gptqmodel_and_agrees(tmp_path):
-    """qwen2_moe (routed experts, a shared expert and its gate): transformers 5 fuses experts and cannot take
-    per-expert quantized linears, so the consumer is GPTQModel's loader; its predictions agree with quantkit's
-    reader (a fitted tiny model, float32)."""
-    src = make_checkpoint(tmp_path / "src", "qwen2_moe", hidden=64, intermediate=128, heads=4, kv_heads=2,
-                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                          shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                          train_steps=60)
-    text = tmp_path / "calib.txt"
-    text.write_text(TINY_TEXT * 3)
-    (folder,) = api.convert(str(src), ["awq:4bit-g32"], tmp_path / "out",
-                            options={"calib": str(text), "calib_samples": 8, "calib_seqlen": 32, "device": "cpu"})
-    assert AWQCheckpoint(folder).has_experts
-    from quantkit.model.checkpoint import Checkpoint
-    tokens = Checkpoint(src).tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :128].view(4, 32)
-    assert _agreement(folder, tokens) >= 0.97

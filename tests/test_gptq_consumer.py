@@ -98,22 +98,3 @@ def test_every_dense_family_loads_in_transformers_and_agrees(tmp_path, key):
         assert beside and beside == out.beside_language_model()
         for name in beside:
             assert torch.equal(source.tensor(name), out.weights.get(name)), name
-
-
-def test_a_mixture_of_experts_loads_in_gptqmodel_and_agrees(tmp_path):
-    """qwen2_moe (routed experts, a shared expert and its gate): transformers 5 fuses experts and cannot take
-    per-expert quantized linears, so the consumer is GPTQModel's loader (its torch kernel in float16); its
-    predictions agree with quantkit's reader on a fitted tiny model."""
-    from conftest import TINY_TEXT, make_checkpoint
-    src = make_checkpoint(tmp_path / "src", "qwen2_moe", hidden=64, intermediate=128, heads=4, kv_heads=2,
-                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                          shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                          train_steps=60)
-    text = tmp_path / "calib.txt"
-    text.write_text(TINY_TEXT * 3)
-    (folder,) = api.convert(str(src), ["gptq:4bit-g32"], tmp_path / "out",
-                            options={"calib": str(text), "calib_samples": 8, "calib_seqlen": 32, "device": "cpu"})
-    assert GPTQCheckpoint(folder).has_experts
-    from quantkit.model.checkpoint import Checkpoint
-    tokens = Checkpoint(src).tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :128].view(4, 32)
-    assert _agreement(folder, tokens) >= 0.97
