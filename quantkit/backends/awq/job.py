@@ -116,14 +116,7 @@ class AWQJob(FolderJob):
         """The scale to fold for this group (None: leave it unscaled) and a note when it cannot take one."""
         s, kind = self.settings, group.producer_kind
         if kind in ("norm", "norm+1"):
-            windows = ctx.stream.shape[0]
-            step = 1 if not s.search_samples else -(-windows // s.search_samples)
-            some = slice(0, None, step)       # evenly spaced windows
-            reference = ctx.run(group, samples=some)
-
-            def loss(candidate: torch.Tensor) -> float:
-                out = ctx.run(group, {f"{lin}.weight": candidate[rows[lin]] for lin in group.linears}, samples=some)
-                return float((out.float() - reference.float()).pow(2).mean())
+            loss = self._output_loss(ctx, ctx.residual_of(group), rows)
         elif kind == "linear":
             outputs = ctx.source[f"{group.producer}.weight"].shape[0]
             if outputs != w.shape[1] or group.producer not in self.done:
@@ -136,6 +129,18 @@ class AWQJob(FolderJob):
         entry.update(scaled_into=group.producer if choice.scale is not None else None, alpha=choice.alpha,
                      loss=choice.loss, unscaled_loss=choice.unscaled_loss)
         return choice.scale, None
+
+    def _output_loss(self, ctx: LayerContext, sub: Residual, rows: dict[str, slice]):
+        """loss(W') for stacked candidate weights (linear lin in rows[lin]): the mean squared error of the
+        residual sub-block's output against the unquantized one, on `search_samples` evenly spaced windows."""
+        n, windows = self.settings.search_samples, ctx.stream.shape[0]
+        some = slice(0, None, 1 if not n else -(-windows // n))
+        reference = ctx.run(sub, samples=some).float()
+
+        def loss(candidate: torch.Tensor) -> float:
+            out = ctx.run(sub, {f"{lin}.weight": candidate[r] for lin, r in rows.items()}, samples=some)
+            return float((out.float() - reference).pow(2).mean())
+        return loss
 
     @staticmethod
     def _routed_input(ctx: LayerContext, group: InputGroup) -> Residual | None:
@@ -170,14 +175,7 @@ class AWQJob(FolderJob):
         if not torch.isfinite(x_mean).all():
             raise QuantizationError(f"layer {ctx.layer} {sub.norm.weight}: the calibration inputs hold inf or NaN "
                                     f"(the model overflows in {ctx.runtime.compute_dtype}); check its weights")
-        windows = ctx.stream.shape[0]
-        some = slice(0, None, 1 if not s.search_samples else -(-windows // s.search_samples))
-        reference = ctx.run(sub, samples=some)
-
-        def loss(candidate: torch.Tensor) -> float:
-            out = ctx.run(sub, {f"{lin}.weight": candidate[rows[lin]] for lin in linears}, samples=some)
-            return float((out.float() - reference.float()).pow(2).mean())
-        choice = search_scale(w, x_mean, loss, s)
+        choice = search_scale(w, x_mean, self._output_loss(ctx, sub, rows), s)
         unquantized = [op.router] + ([op.shared_gate] if op.shared_gate else [])
         if choice.scale is not None:
             kind = "norm+1" if sub.norm.unit_offset else "norm"
