@@ -181,6 +181,20 @@ def test_an_expert_no_calibration_token_reached_is_still_quantized(tmp_path, cal
         assert 0 < err < 0.25 * w0[name].float().abs().max().item(), (e, err)
 
 
+def test_a_dense_models_measurement_for_a_mixture_is_refused_in_one_line(tmp_path, calib_text):
+    """qwen3_moe's mixture is keyed "…mlp", as a dense MLP is: a dense model's file has the keys but not w1/w3/w2."""
+    dense = make_checkpoint(tmp_path / "dense", hidden=64, intermediate=64, heads=4, kv_heads=2)
+    (folder,) = api.convert(str(dense), ["exl2:5.0bpw"], tmp_path / "d", options={**CALIB, "calib": str(calib_text)})
+    moe = make_checkpoint(tmp_path / "moe", "qwen3_moe", hidden=64, intermediate=64, heads=4, kv_heads=2, head_dim=32,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                          mlp_only_layers=[])
+    out = tmp_path / "o"
+    r = run_cli("convert", str(moe), "-f", "exl2:5.0bpw", "--calib", str(calib_text), "--calib-samples", "4",
+                "--calib-seqlen", "32", "--measurement", str(folder / "measurement.json"), "-o", str(out))
+    assert r.returncode != 0 and "measured for another model" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and (not out.exists() or not any(out.iterdir()))
+
+
 def test_a_shared_expert_is_refused_in_one_line(tmp_path, calib_text):
     src = make_checkpoint(tmp_path / "moe", "qwen2_moe", hidden=64, intermediate=128, moe_intermediate_size=32,
                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
