@@ -109,12 +109,16 @@ class ExLlamaV2Session:
 class VLLMSession:
     """A folder in vLLM (GPTQ or AWQ kernels) on the GPU, float16.  vLLM returns log-probabilities, not logits:
     the full vocabulary's log-probabilities of every prompt position stand in for them (the same softmax, so
-    the same top-1 and KLD).  Exercised by bench/gpu_check.py where vLLM is installed."""
+    the same top-1 and KLD; max_logprobs=-1 needs a recent vLLM).  Turning every position's whole-vocabulary dict
+    into a row is slow in Python (minutes for a long window and a large vocabulary): fine for verify's short text,
+    slow for `eval --runtime vllm` over many windows.  Exercised by bench/gpu_check.py where vLLM is installed."""
 
     def __init__(self, folder: Path, ctx: int, how: str):
         from vllm import LLM
-        self.llm = LLM(model=str(folder), dtype="float16", enforce_eager=True,
-                       gpu_memory_utilization=0.4, max_model_len=max(ctx, 16), max_logprobs=-1)
+        # token ids in, no text out (no detokenizing of the vocabulary's log-probabilities); a prompt of ctx
+        # tokens plus the one token vLLM must generate (it refuses a prompt that fills max_model_len)
+        self.llm = LLM(model=str(folder), dtype="float16", enforce_eager=True, skip_tokenizer_init=True,
+                       gpu_memory_utilization=0.4, max_model_len=max(ctx, 16) + 1, max_logprobs=-1)
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
         self.how, self.dtype = how, "float16"
 
@@ -126,7 +130,8 @@ class VLLMSession:
 
     def prompt_logits(self, ids: list[int]) -> torch.Tensor:
         from vllm import SamplingParams
-        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=self.vocab, logprobs=self.vocab)
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=self.vocab, logprobs=self.vocab,
+                                detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         self._ids = list(ids)
         # prompt_logprobs[k]: position k given the tokens before it (None at 0); the last position's is the output's
@@ -135,7 +140,7 @@ class VLLMSession:
 
     def decode(self, n: int) -> list[int]:
         from vllm import SamplingParams
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
         return list(self.llm.generate([{"prompt_token_ids": self._ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 

@@ -142,7 +142,8 @@ class AWQBackend(Backend):
         from . import consumer
         if runtime == "vllm":
             return [(VLLM_WAY, lambda: VLLMSession(Path(path), ctx, VLLM_WAY))]
-        fp32 = "AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)"
+        fp32 = ("GPTQModel.load(folder) in float32" if AWQCheckpoint(Path(path)).has_experts else
+                "AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)")
         return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),
                 (fp32, lambda: TransformersSession(consumer.load(Path(path), torch.float32), fp32))]
 

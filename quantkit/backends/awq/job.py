@@ -51,7 +51,8 @@ class AWQJob(FolderJob):
         super().__init__(model, settings, variant, folder, checkpoint_specs(model, settings), **kw)
         self.stats = GroupStats(InputStats, self.device)
         self.done: dict[str, Quantized] = {}      # this layer's linears, by name, until finish_layer writes them
-        self.expert_scale: tuple[int, torch.Tensor | None] | None = None   # (layer, scale) once experts are balanced
+        # (layer, the MoE block's norm) -> its experts' scale, once balanced (None: unscaled won)
+        self.expert_scale: dict[tuple[int, str], torch.Tensor | None] = {}
 
     # --- LayerJob ---------------------------------------------------------------------------
     def observe(self, ctx: LayerContext, group: InputGroup, x: torch.Tensor) -> None:
@@ -156,8 +157,9 @@ class AWQJob(FolderJob):
         layer like a norm-fed group: x̄ over every token entering the block, each candidate scored by the whole
         block's output with all experts' gate/up fake-quantized.  No per-expert scale can be folded: the norm
         is shared.  Returns the scale (None: unscaled won)."""
-        if self.expert_scale is not None and self.expert_scale[0] == ctx.layer:
-            return self.expert_scale[1]
+        block = (ctx.layer, sub.norm.weight)
+        if block in self.expert_scale:
+            return self.expert_scale[block]
         s, op = self.settings, sub.op
         first = sub.stages[0]
         linears = [lin for g in first for lin in g.linears]
@@ -187,7 +189,7 @@ class AWQJob(FolderJob):
                                "tokens": tokens, "balanced": len(first),
                                "scaled_into": sub.norm.weight if choice.scale is not None else None,
                                "alpha": choice.alpha, "loss": choice.loss, "unscaled_loss": choice.unscaled_loss})
-        self.expert_scale = (ctx.layer, choice.scale)
+        self.expert_scale = {block: choice.scale}   # earlier layers' scales are done with
         return choice.scale
 
     @staticmethod

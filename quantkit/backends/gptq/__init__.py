@@ -155,7 +155,8 @@ class GPTQBackend(Backend):
             return [(VLLM_WAY, lambda: VLLMSession(Path(path), ctx, VLLM_WAY))]
         if runtime == "exllamav2":
             return [(EXLLAMAV2_WAY, lambda: ExLlamaV2Session(Path(path), ctx, EXLLAMAV2_WAY))]
-        torch_way = "GPTQConfig(backend=\"torch\") in float32"
+        torch_way = ("GPTQModel.load(folder) in float16" if GPTQCheckpoint(Path(path)).has_experts else
+                     "GPTQConfig(backend=\"torch\") in float32")
         return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),
                 (torch_way, lambda: TransformersSession(consumer.load(Path(path), "torch", torch.float32), torch_way))]
 
