@@ -127,8 +127,10 @@ class Backend:
     kv_cache_runtimes: tuple[str, ...] = ()
 
     def runtime_logits(self, path: Path, runtime: str, tokens):
-        """Each window's logits (ctx, vocab) from `runtime` (one of `runtimes`) running the artifact."""
-        raise NotImplementedError
+        """Each window's logits (ctx, vocab) from `runtime` (one of `runtimes`) running the artifact: by default
+        through the first of `runtime_loaders` that loads (quantkit.verify.sessions)."""
+        from ..verify.sessions import session_window_logits
+        return session_window_logits(self.runtime_loaders(path, runtime, tokens.shape[1]), tokens)
 
     # the Python packages each runtime needs, for `verify`'s "not installed"
     runtime_packages: dict[str, tuple[str, ...]] = {}
@@ -145,8 +147,14 @@ class Backend:
 
     def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
         """The ways a user loads the artifact in `runtime`, the one they would try first first: (how, a callable
-        returning a quantkit.verify.sessions session) pairs, for `quantkit verify`."""
-        raise NotImplementedError
+        returning a quantkit.verify.sessions session) pairs, for `quantkit verify`.  Here: the GPU runtimes,
+        which load a folder one way whatever its format."""
+        from ..verify.sessions import ExLlamaV2Session, VLLMSession
+        if runtime == "vllm":
+            return [(VLLM_WAY, lambda: VLLMSession(Path(path), ctx, VLLM_WAY))]
+        if runtime == "exllamav2":
+            return [(EXLLAMAV2_WAY, lambda: ExLlamaV2Session(Path(path), ctx, EXLLAMAV2_WAY))]
+        raise NotImplementedError(f"{self.name}: no way to load it in {runtime}")
 
 
 # runtimes that run only on a GPU: verify says so instead of trying them on a machine without one

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .. import VLLM_WAY, Backend, Plan
+from .. import Backend, Plan
 from ..hf_folder import EXPERTS_NOTE, plan_rows
 from ...artifact import model_stem
 from ...device import matmul_flops, resolve_device
@@ -130,18 +130,17 @@ class AWQBackend(Backend):
 
     def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor, kv_cache: str | None = None):
         if runtime != "transformers":
-            from ...verify.sessions import session_window_logits
-            return session_window_logits(self.runtime_loaders(path, runtime, tokens.shape[1]), tokens)
+            return super().runtime_logits(path, runtime, tokens)
         from . import consumer
         return consumer.window_logits(Path(path), tokens, kv_cache=kv_cache)
 
     runtime_packages = {"transformers": ("transformers", "gptqmodel"), "vllm": ("vllm",)}
 
     def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
-        from ...verify.sessions import PLAIN, TransformersSession, VLLMSession, from_pretrained_plain
+        if runtime != "transformers":
+            return super().runtime_loaders(path, runtime, ctx)
+        from ...verify.sessions import PLAIN, TransformersSession, from_pretrained_plain
         from . import consumer
-        if runtime == "vllm":
-            return [(VLLM_WAY, lambda: VLLMSession(Path(path), ctx, VLLM_WAY))]
         fp32 = ("GPTQModel.load(folder) in float32" if AWQCheckpoint(Path(path)).has_experts else
                 "AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)")
         return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .. import EXLLAMAV2_WAY, Backend, Plan, PlanRow
+from .. import Backend, Plan, PlanRow
 from ...artifact import model_stem
 from ...device import resolve_device
 from ...errors import UsageError
@@ -141,16 +141,8 @@ class EXL2Backend(Backend):
             raise UsageError("--activations: use the default (exact) for EXL2")
         return EXL2Checkpoint(Path(path))
 
-    runtimes = ("exllamav2",)
+    runtimes = ("exllamav2",)           # loaded and run the base class's way (quantkit.verify.sessions)
     runtime_packages = {"exllamav2": ("exllamav2",)}
-
-    def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor):
-        from ...verify.sessions import session_window_logits
-        return session_window_logits(self.runtime_loaders(path, runtime, tokens.shape[1]), tokens)
-
-    def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
-        from ...verify.sessions import ExLlamaV2Session
-        return [(EXLLAMAV2_WAY, lambda: ExLlamaV2Session(Path(path), ctx, EXLLAMAV2_WAY))]
 
     def describe_artifact(self, path: Path) -> dict:
         m = EXL2Checkpoint(Path(path))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .. import EXLLAMAV2_WAY, VLLM_WAY, Backend, Plan
+from .. import Backend, Plan
 from ..hf_folder import EXPERTS_NOTE, plan_rows
 from ...artifact import model_stem
 from ...calibration.capture import default_compute_dtype
@@ -141,20 +141,17 @@ class GPTQBackend(Backend):
 
     def runtime_logits(self, path: Path, runtime: str, tokens: torch.Tensor, kv_cache: str | None = None):
         if runtime != "transformers":
-            from ...verify.sessions import session_window_logits
-            return session_window_logits(self.runtime_loaders(path, runtime, tokens.shape[1]), tokens)
+            return super().runtime_logits(path, runtime, tokens)
         from . import consumer
         return consumer.window_logits(Path(path), tokens, kv_cache=kv_cache)
 
     runtime_packages = {"transformers": ("transformers", "gptqmodel"), "vllm": ("vllm",), "exllamav2": ("exllamav2",)}
 
     def runtime_loaders(self, path: Path, runtime: str, ctx: int) -> list:
-        from ...verify.sessions import PLAIN, ExLlamaV2Session, TransformersSession, VLLMSession, from_pretrained_plain
+        if runtime != "transformers":
+            return super().runtime_loaders(path, runtime, ctx)
+        from ...verify.sessions import PLAIN, TransformersSession, from_pretrained_plain
         from . import consumer
-        if runtime == "vllm":
-            return [(VLLM_WAY, lambda: VLLMSession(Path(path), ctx, VLLM_WAY))]
-        if runtime == "exllamav2":
-            return [(EXLLAMAV2_WAY, lambda: ExLlamaV2Session(Path(path), ctx, EXLLAMAV2_WAY))]
         torch_way = ("GPTQModel.load(folder) in float16" if GPTQCheckpoint(Path(path)).has_experts else
                      "GPTQConfig(backend=\"torch\") in float32")
         return [(PLAIN, lambda: TransformersSession(from_pretrained_plain(Path(path)), PLAIN)),
