@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from .block import Attention, Block, GatedMLP, InputGroup, MoE, Norm, Residual, Rope
 from .rope import rope_tables
+from .vector_math import settle
+
+settle()   # before any parallel cos/sin/exp: see vector_math
 
 Observer = Callable[[InputGroup, torch.Tensor], None]
 # what an op calls at each of its input groups: (stage, group within the stage, the group's input rows)
