@@ -1,5 +1,5 @@
-"""Benchmark: the dry run's estimates against what the run then takes, for every format, on the demo model and
-on a >= 1 GiB synthetic llama.
+"""Benchmark: the dry run's estimates against what the run then takes, for every format, on the demo model,
+on a >= 1 GiB synthetic llama, and (the calibrated formats) on a synthetic mixtral.
 
 For each (model, formats) it runs `quantkit convert --dry-run --json` (the estimate: peak RAM, disk final and
 temporary, time), then the same command for real in a child process, and measures the child's peak RSS
@@ -7,7 +7,7 @@ temporary, time), then the same command for real in a child process, and measure
 commit points included; sampled every 0.1 s), and the wall time.  Reports estimate / measured per figure;
 the goal is every ratio within [0.8, 1.2].
 
-    python bench/preflight.py [--samples 32] [--seqlen 256] [--only demo|synthetic] [--keep]
+    python bench/preflight.py [--samples 32] [--seqlen 256] [--only demo|synthetic|moe] [--keep]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 RUNS = [["gguf:Q4_K_M"], ["gguf:Q4_K_M", "--imatrix"], ["gptq:4bit-g128"], ["awq:4bit-g64"], ["exl2:4.0bpw"],
         ["bnb:nf4"], ["bnb:int8"], ["gptq:4bit-g128", "-f", "awq:4bit-g64"], ["gguf:Q4_K_M", "--error-feedback"],
         ["gguf:IQ2_XS", "--imatrix"]]
+MOE_RUNS = [2, 3, 4]     # the calibrated formats that hold a whole layer's experts: gptq, awq, exl2
 FIGURES = [("peak RAM", "peak_ram_bytes", "rss"), ("disk final", "disk_final_bytes", "final"),
            ("disk peak", "disk_bytes", "disk_peak"), ("time", "seconds", "wall")]
 
@@ -46,14 +47,39 @@ def folder_bytes(folder: Path) -> int:
 
 def synthetic(folder: Path, target_gib: float) -> dict:
     """A llama of hidden 1024 with the demo's tokenizer (vocab 49152), as many layers as reach target_gib."""
-    from quantkit.model.demo import demo_checkpoint
     from stream_memory import write_checkpoint
     info = write_checkpoint(folder, target_gib, hidden=1024, inter=4096, vocab=49152, heads=16, kv=4)
+    _demo_tokenizer(folder)
+    return info
+
+
+def synthetic_mixtral(folder: Path) -> None:
+    """A 4-layer mixtral (hidden 1024, 8 experts of 2048, top-2; 0.58 GiB in bf16) with the demo's tokenizer,
+    saved by transformers itself: what the calibrated formats hold per layer grows with the experts."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=49152, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                        num_attention_heads=16, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                        tie_word_embeddings=False, max_position_embeddings=4096)
+    model = MixtralForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    model.save_pretrained(str(folder))
+    _demo_tokenizer(folder)
+
+
+def _demo_tokenizer(folder: Path) -> None:
+    from quantkit.model.demo import demo_checkpoint
     demo = Path(demo_checkpoint("smollm2-135m"))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
         if (demo / name).is_file():
             shutil.copy(demo / name, folder / name)
-    return info
+
+
+MIXTRAL = "synthetic mixtral 0.58 GiB (4 layers, hidden 1024, 8 experts of 2048)"
 
 
 def measure(model: str, formats: list[str], out: Path, common: list[str]) -> dict:
@@ -112,7 +138,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--gib", type=float, default=1.05)
-    ap.add_argument("--only", choices=["demo", "synthetic"])
+    ap.add_argument("--only", choices=["demo", "synthetic", "moe"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit-preflight"))
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--runs", type=int, nargs="*", help="indices into RUNS, in this order (default: all)")
@@ -127,9 +153,14 @@ def main() -> None:
         info = synthetic(a.work / "synthetic", a.gib)
         models[f"synthetic llama {info['bytes'] / 2**30:.2f} GiB ({info['layers']} layers, hidden 1024)"] = \
             str(a.work / "synthetic")
+    if a.only in (None, "moe"):
+        synthetic_mixtral(a.work / "mixtral")
+        models[MIXTRAL] = str(a.work / "mixtral")
     rows = []
     for label, model in models.items():
         picked = a.synthetic_runs if (label != "demo:smollm2-135m" and a.synthetic_runs) else a.runs
+        if label == MIXTRAL:
+            picked = MOE_RUNS
         for run in [RUNS[i] for i in picked] if picked else RUNS:
             formats = [f for f in run if not f.startswith("-")]
             r = measure(model, run, a.work / "out", common)

@@ -73,9 +73,35 @@ def stream_bytes(model, samples: int, seqlen: int) -> int:
     return samples * seqlen * model.config.hidden_size * 4
 
 
+def largest_layer(model) -> int:
+    """The decoder layer with the most stored bytes: the pass holds one layer at a time, so the largest sets the
+    peak (a mixture whose first layers are dense — mlp_only_layers, first_k_dense_replace — is sized by a
+    mixture layer, not by layer 0)."""
+    key = str(model.folder)
+    if key not in _largest:
+        sizes = [0] * model.num_layers
+        prefixes = {model.adapter.prefix(i): i for i in range(model.num_layers)}
+        for name, entry in model.weights.entries.items():
+            for prefix, i in prefixes.items():
+                if name.startswith(prefix):
+                    sizes[i] += entry.nbytes
+                    break
+        _largest[key] = max(range(model.num_layers), key=lambda i: (sizes[i], -i))
+    return _largest[key]
+
+
+_largest: dict[str, int] = {}
+
+
+def layer_entries(model) -> list:
+    """The stored tensors of the largest decoder layer."""
+    prefix = model.adapter.prefix(largest_layer(model))
+    return [e for n, e in model.weights.entries.items() if n.startswith(prefix)]
+
+
 def layer_params(model) -> int:
-    """Weights of one decoder layer (the first: the pass holds one at a time)."""
-    return sum(e.numel for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+    """Weights of the largest decoder layer (the pass holds one at a time)."""
+    return sum(e.numel for e in layer_entries(model))
 
 
 def pass_ram(model, seqlen: int) -> int:
@@ -87,7 +113,7 @@ def pass_ram(model, seqlen: int) -> int:
 
 def pass_seconds(model, samples: int, seqlen: int, device) -> float:
     """One calibrated job's walk through the layers: its forwards over every calibration window (each job runs
-    its own, on its own stream), timed here on layer 0 with the pass's own code and a job that does nothing,
+    its own, on its own stream), timed here on the largest layer with the pass's own code and a job that does nothing,
     then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out 5-12x short on the demo:
     its small matmuls, attention, norms and copies run far from that rate."""
     per_layer, per_window = layer_walk(model, seqlen, device)
@@ -95,15 +121,23 @@ def pass_seconds(model, samples: int, seqlen: int, device) -> float:
 
 
 def layer_shapes(model) -> dict[str, tuple[int, ...]]:
-    """Layer 0's tensors' shapes by name without ".weight" (the block's linear names), read once per model in
-    this process: every format's probe asks for them."""
+    """The largest layer's tensors' shapes by name without ".weight" (the block's linear names), read once per
+    model in this process: every format's probe asks for them."""
     key = str(model.folder)
     if key not in _shapes:
-        _shapes[key] = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(0).items()}
+        _shapes[key] = {n.removesuffix(".weight"): tuple(t.shape) for n, t in model.layer(largest_layer(model)).items()}
     return _shapes[key]
 
 
 _shapes: dict[str, dict] = {}
+
+
+def held_second_moments(model) -> int:
+    """Bytes of the float32 second moments (K×K per input group) the widest stage of the largest layer holds
+    until it is quantized: q/k/v's one, or every expert's gate/up (and then down) of a mixture."""
+    shapes = layer_shapes(model)
+    block = model.block(largest_layer(model))
+    return max(sum(shapes[g.linears[0]][1] ** 2 * 4 for g in stage) for r in block.residuals for stage in r.stages)
 
 
 def layer_walk(model, seqlen: int, device) -> tuple[float, float]:
@@ -131,7 +165,8 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     from .model.engine import Runtime
     dtype = default_compute_dtype(device)
     t0 = time.perf_counter()
-    block, source = model.block(0), model.layer(0)
+    i = largest_layer(model)
+    block, source = model.block(i), model.layer(i)
     weights = working_weights(block, source, device, dtype)
     per_layer = time.perf_counter() - t0
     runtime = Runtime(seqlen, device, dtype)
@@ -140,7 +175,7 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     seconds = 0.0
     for n in (1, windows):       # the first walk pays for allocations and kernel choices: not timed
         stream = torch.randn(n, seqlen, model.config.hidden_size, generator=generator)
-        ctx = LayerContext(0, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
+        ctx = LayerContext(i, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
         t0 = time.perf_counter()
         quantize_layer(ctx, PassJob())
         if device.type == "cuda":
@@ -151,13 +186,13 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
 
 def statistics_seconds(model, samples: int, seqlen: int, device, accumulator) -> float:
     """A pass job's statistics of every linear group's inputs (`accumulator(features, device).add(x)` per batch),
-    timed here on 2048 tokens of each of layer 0's groups after a warm-up, scaled by tokens and layers."""
+    timed here on 2048 tokens of each of the largest layer's groups after a warm-up, scaled by tokens and layers."""
     import time
 
     import torch
     shapes = layer_shapes(model)
     seconds = 0.0
-    for group in model.block(0).groups:
+    for group in model.block(largest_layer(model)).groups:
         width = shapes[group.linears[0]][1]
         acc, x = accumulator(width, device), torch.randn(2048, width, device=device)
         acc.add(x[:8])

@@ -120,3 +120,20 @@ def test_the_pass_is_timed_on_a_real_layer_walk_and_scaled_by_windows_and_layers
     assert walks == [(1, 32, 64), (64, 32, 64)]        # a warm-up window, then a batch of 2048 tokens, timed
     per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu")]
     assert four == pytest.approx((per_layer + 4 * per_window) * 2) and eight > four > 0
+
+
+def test_estimates_size_the_pass_by_its_largest_layer(tmp_path):
+    """A mixture whose layer 0 is dense (qwen2_moe's mlp_only_layers) is sized by a mixture layer: the pass holds
+    one layer at a time, and the largest sets the peak; the formats' estimates then count every expert."""
+    from quantkit.model.source import open_model
+    folder = make_checkpoint(tmp_path / "m", "qwen2_moe", hidden=64, intermediate=256, heads=4, kv_heads=2, layers=3,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[0])
+    model = open_model(folder)
+    sizes = [sum(t.numel() for t in model.layer(i).values()) for i in range(3)]
+    assert sizes[1] == sizes[2] > sizes[0]
+    assert preflight.largest_layer(model) == 1 and preflight.layer_params(model) == sizes[1]
+    experts = [f"mlp.experts.{e}.{p}_proj" for e in range(8) for p in ("gate", "up")] + \
+              ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
+    assert preflight.held_second_moments(model) >= len(experts) // 2 * 64 ** 2 * 4   # every expert's gate/up H
+    assert all(name in preflight.layer_shapes(model) for name in experts)

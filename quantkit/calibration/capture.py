@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import QuantizationError
+from ..heap import release_free_memory
 from ..model.block import Block
 from ..model.engine import Runtime, embed, run_residual
 from ..progress import Progress, null_progress
@@ -128,6 +129,7 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
                     quantize_layer(ctx, job)
                     job.finish_layer(ctx)
                 del source
+                release_free_memory()   # see quantkit.heap: a fragmented heap would keep every layer's temporaries
                 # the last layer of the last pass is not committed: what follows it (the head, finish) is redone
                 if checkpoint is not None and not (index == passes - 1 and i == model.num_layers - 1):
                     checkpoint.save(index, i + 1, list(zip(active, streams)))

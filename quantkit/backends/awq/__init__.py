@@ -15,8 +15,8 @@ from ...device import matmul_flops, resolve_device
 from ...errors import UsageError
 from ...model.block import Attention, MoE
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, layer_params, layer_shapes, layer_walk, pass_ram,
-                           pass_seconds, stream_bytes)
+from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, held_second_moments, largest_layer, layer_params,
+                           layer_shapes, layer_walk, pass_ram, pass_seconds, stream_bytes)
 from . import spec as awq_spec
 from .algorithm import AWQSettings
 from .job import AWQJob
@@ -158,15 +158,23 @@ def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, 
     outputs = 2 * stream                       # the sub-block's reference and candidate outputs
     shared = pass_ram(model, seqlen)
     # every group of the widest stage holds its H until the stage is quantized (all experts of a MoE layer)
-    second_moments = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * max(3, _widest_stage(model))
-    total = stream + outputs + shared + dequantized + second_moments + RUNTIME_BYTES
+    second_moments = held_second_moments(model) + max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 2
+    search = _search_copies(model)
+    total = stream + outputs + shared + dequantized + second_moments + search + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "
-            f"sub-block outputs the search compares + one layer + one batch + second moments + runtime)",
-            shared, stream + outputs + dequantized + second_moments, stream)
+            f"sub-block outputs the search compares + one layer + one batch + second moments + the scale "
+            f"search's copies + runtime)", shared, stream + outputs + dequantized + second_moments + search, stream)
 
 
-def _widest_stage(model) -> int:
-    return max(len(stage) for r in model.block(0).residuals for stage in r.stages)
+def _search_copies(model) -> int:
+    """The scale search's float32 copies of the largest group it scales at once — the weights stacked, scaled,
+    fake-quantized and unscaled: every expert's gate/up together in a mixture (measured: 4 × 128 MiB live on a
+    synthetic mixtral with 8 experts of 1024 × 2048)."""
+    shapes = layer_shapes(model)
+    block = model.block(largest_layer(model))
+    widest = max(sum(shapes[lin][0] * shapes[lin][1] for g in stage for lin in g.linears)
+                 for r in block.residuals for stage in r.stages)
+    return widest * 4 * 4
 
 
 def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
@@ -183,7 +191,7 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     _, per_window = layer_walk(model, seqlen, device)
     forward = per_window / 2                            # the staged walk runs each sub-block about twice
     shapes = layer_shapes(model)
-    block = model.block(0)
+    block = model.block(largest_layer(model))
     total = sum(shapes[lin][0] * shapes[lin][1] for lin in block.linears)
     flops = matmul_flops(device, torch.float32)
     per_weight = _probe_fake_quantize(max(block.linears, key=lambda lin: shapes[lin][0] * shapes[lin][1]),

@@ -15,7 +15,7 @@ from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...model.safetensors_reader import DTYPES
 from ...options import RunOptions
-from ...preflight import RUNTIME_BYTES, Resources, folder_disk, read_seconds
+from ...preflight import RUNTIME_BYTES, Resources, folder_disk, layer_entries, read_seconds
 from . import spec as bnb_spec
 from .encoders import quantize_4bit, quantize_int8
 from .layout import checkpoint_specs, converted_linears, quantization_config
@@ -103,7 +103,7 @@ class BnbBackend(Backend):
             plan.extra["compute dtype"] = str(settings.compute_dtype_for(model, variant)).removeprefix("torch.")
         if skip:
             plan.extra["skip modules"] = ", ".join(skip)
-        layer = sum(e.nbytes for n, e in model.weights.entries.items() if n.startswith(model.adapter.prefix(0)))
+        layer = sum(e.nbytes for e in layer_entries(model))
         biggest = max(lin.in_features * lin.out_features for row in model.stored_linears for lin in row)
         own = layer + biggest * 4 * 4
         plan.extra["peak memory (estimate)"] = (f"{(own + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer as stored + the "

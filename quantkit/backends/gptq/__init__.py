@@ -14,8 +14,8 @@ from ...calibration.capture import default_compute_dtype
 from ...device import matmul_flops, resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
-from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, folder_disk, layer_params, pass_ram, pass_seconds,
-                           stream_bytes)
+from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, folder_disk, held_second_moments,
+                           layer_params, pass_ram, pass_seconds, stream_bytes)
 from . import spec as gptq_spec
 from .algorithm import GPTQSettings, gptq_quantize
 from .job import GPTQJob
@@ -166,7 +166,7 @@ def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) ->
         return f"{(weights_fp32 + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights_fp32, 0
     stream = stream_bytes(model, samples, seqlen)
     shared = pass_ram(model, seqlen)
-    hessian = max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 3
+    hessian = held_second_moments(model) + max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 2   # + GPTQ's copies
     total = stream + shared + hessian + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + one layer + "
             f"one batch + Hessians + runtime)", shared, stream + hessian, stream)
