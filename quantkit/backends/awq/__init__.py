@@ -208,7 +208,7 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
                 own += candidates * (n * k * per_weight + forward * share * searched)
             for g in stage:
                 n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
-                routed = r.op.top_k / len(r.op.experts) if isinstance(r.op, MoE) else 1   # an expert: its tokens
+                routed = _token_share(r.op, g)
                 own += 2 * windows * seqlen * routed * k * k / flops            # second moments
                 if s.search_scales and not (index == 0 and isinstance(r.op, MoE)):
                     score = forward * share * searched if index == 0 else 2 * n * k * k / flops
@@ -218,6 +218,17 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
                     group = s.group(k)
                     own += clips * rows * k * (per_weight + 2 * group / flops)
     return walk, own * model.num_layers
+
+
+def _token_share(op, group) -> float:
+    """The share of the calibration tokens a group's linears see: a routed expert its top_k / experts, a shared
+    expert (and everything outside a mixture) all of them."""
+    if not isinstance(op, MoE):
+        return 1.0
+    shared = op.shared
+    if shared is not None and group.linears[0] in (shared.gate, shared.up, shared.down):
+        return 1.0
+    return op.top_k / len(op.experts)
 
 
 def _probe_fake_quantize(name: str, shapes: dict, s: AWQSettings, device: torch.device) -> float:

@@ -19,6 +19,7 @@ import torch
 
 from ...artifact import atomic_file
 from ...errors import QuantizationError
+from ...heap import release_free_memory
 from ...model.checkpoint import Checkpoint
 from ...progress import Progress
 from . import encoders, fusion
@@ -191,6 +192,7 @@ def write_files(model: Checkpoint, tensors: list[GGUFTensor], jobs: list[FileJob
                 per_tensor[i].write_tensor_data(done[key])
                 task.advance()
             del src, done
+            release_free_memory()   # the encoders' temporaries: see quantkit.heap
         for per_tensor, task in zip(writers, tasks):
             for w in dict.fromkeys(per_tensor):
                 w.close()
