@@ -179,10 +179,10 @@ def main() -> None:
 # why a figure is outside 0.8-1.2 where that is known (formats, figure) -> cause; printed beside the deviation
 EXPLAINED = {
     ("gguf:Q4_K_M --imatrix", "peak RAM"):
-        "bimodal: identical runs of the demo peak at 0.57-0.60 GiB or at 1.12-1.21 GiB.  glibc raises its mmap "
-        "threshold as large blocks are freed and then keeps the weighted encoders' freed temporaries in its heap "
-        "(MALLOC_MMAP_THRESHOLD_=33554432 gave 0.61 GiB in the one run tried, 24 s against 16-21 s).  The estimate follows "
-        "the lower mode",
+        "was bimodal: identical runs of the demo peaked at 0.57-0.60 GiB or at 1.12-1.21 GiB, glibc keeping the "
+        "weighted encoders' freed temporaries in its heap after raising its mmap threshold.  Since the pass and "
+        "the GGUF writer hand freed pages back after every layer and tensor (quantkit/heap.py), one run: 0.74 GiB; "
+        "where the rest above the estimate goes is not located yet",
     ("bnb:nf4", "time"):
         "a 3.6 s run: the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
         "benchmark has just written, still in the page cache",
