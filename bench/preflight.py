@@ -183,6 +183,10 @@ EXPLAINED = {
         "weighted encoders' freed temporaries in its heap after raising its mmap threshold.  Since the pass and "
         "the GGUF writer hand freed pages back after every layer and tensor (quantkit/heap.py), one run: 0.74 GiB; "
         "where the rest above the estimate goes is not located yet",
+    ("exl2:4.0bpw", "time"):
+        "the demo's estimate came out 406 s in this run (317 and 356 s in two dry runs just after), 278 s on "
+        "2026-12-03; the code before 2026-12-05's estimate changes gives 313-327 s here today, so the spread is the "
+        "time probes' (quantize and walk timings on a noisy 2-core machine), not the new memory terms",
     ("bnb:nf4", "time"):
         "a 3.6 s run: the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
         "benchmark has just written, still in the page cache",
