@@ -6,7 +6,9 @@ raises to 32 MiB as large blocks are freed — from its heap, and a heap that fr
 measured on a 4-layer synthetic mixtral (8 experts, hidden 1024), the resident set of an AWQ run grew to 2.70 GiB
 around 0.74 GiB of live tensors, an EXL2 run's to 8.2 GiB around ~1.5 GiB.  malloc_trim(0) hands every free page
 back (the heap's middle included, since glibc 2.8); called after every layer it brought the EXL2 run to 3.26
-GiB and the AWQ run to 2.18 GiB, their wall times unchanged (458 / 453 s, 80 / 81 s).  Fixing the threshold instead
+GiB and the AWQ run to 2.18 GiB, their wall times unchanged (458 / 453 s, 80 / 81 s).  Called after each stage's
+walk as well, the demo's GGUF --imatrix run, bimodal at 0.57 or 0.73 GiB (three runs: 0.73, 0.57, 0.57), peaked
+at 0.56-0.62 GiB in four runs.  Fixing the threshold instead
 (MALLOC_MMAP_THRESHOLD_) kept the AWQ run at 1.5 GiB but made it 1.8x slower: every block then comes from fresh,
 zero-filled pages.
 """

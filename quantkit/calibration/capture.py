@@ -65,6 +65,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob) -> None:
 
             for sl in spans:
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
+            release_free_memory()   # the walk's intermediates, before the quantizers allocate (quantkit.heap)
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
