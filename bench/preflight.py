@@ -179,10 +179,10 @@ def main() -> None:
 # why a figure is outside 0.8-1.2 where that is known (formats, figure) -> cause; printed beside the deviation
 EXPLAINED = {
     ("gguf:Q4_K_M --imatrix", "peak RAM"):
-        "was bimodal: identical runs of the demo peaked at 0.57-0.60 GiB or at 1.12-1.21 GiB, glibc keeping the "
-        "weighted encoders' freed temporaries in its heap after raising its mmap threshold.  Since the pass and "
-        "the GGUF writer hand freed pages back after every layer and tensor (quantkit/heap.py), one run: 0.74 GiB; "
-        "where the rest above the estimate goes is not located yet",
+        "was bimodal: identical runs of the demo peaked at 0.57-0.60 GiB or at 1.12-1.21 GiB, glibc keeping freed "
+        "temporaries in its heap after raising its mmap threshold; with freed pages handed back after every layer "
+        "and tensor, 0.73 / 0.57 / 0.57 GiB in three runs; also after each stage's walk (quantkit/heap.py), "
+        "0.56-0.62 GiB in four",
     ("exl2:4.0bpw", "time"):
         "the demo's estimate came out 406 s in this run (317 and 356 s in two dry runs just after), 278 s on "
         "2026-12-03; the code before 2026-12-05's estimate changes gives 313-327 s here today, so the spread is the "
