@@ -184,9 +184,9 @@ EXPLAINED = {
         "and tensor, 0.73 / 0.57 / 0.57 GiB in three runs; also after each stage's walk (quantkit/heap.py), "
         "0.56-0.62 GiB in four",
     ("exl2:4.0bpw", "time"):
-        "the demo's estimate came out 406 s in this run (317 and 356 s in two dry runs just after), 278 s on "
-        "2026-12-03; the code before 2026-12-05's estimate changes gives 313-327 s here today, so the spread is the "
-        "time probes' (quantize and walk timings on a noisy 2-core machine), not the new memory terms",
+        "EXL2's time probes (a quantization per layout, the sub-block re-runs) spread widely between dry runs on this "
+        "2-core machine: the demo 313-406 s against 278 s on 2026-12-03 (the code before 2026-12-05's estimate "
+        "changes gives 313-327 s today), the mixtral 381-718 s",
     ("bnb:nf4", "time"):
         "a 3.6 s run: the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
         "benchmark has just written, still in the page cache",

@@ -177,7 +177,7 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
         stream = torch.randn(n, seqlen, model.config.hidden_size, generator=generator)
         ctx = LayerContext(i, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
         t0 = time.perf_counter()
-        quantize_layer(ctx, PassJob())
+        quantize_layer(ctx, PassJob(), release_memory=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = (time.perf_counter() - t0) / n

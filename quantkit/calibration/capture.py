@@ -52,8 +52,10 @@ def working_weights(block: Block, source: dict[str, torch.Tensor], device, compu
 
 
 @torch.no_grad()
-def quantize_layer(ctx: LayerContext, job: LayerJob) -> None:
-    """Run the staged pass of one layer for one job; `ctx.stream` (samples, seqlen, hidden) is updated in place."""
+def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True) -> None:
+    """Run the staged pass of one layer for one job; `ctx.stream` (samples, seqlen, hidden) is updated in place.
+    `release_memory`: hand freed pages back after each stage's walk (quantkit.heap); the pre-flight's timing probe
+    turns it off, since a run pays it once per stage over all its windows, the probe over a few."""
     h, w, rt, device = ctx.stream, ctx.weights, ctx.runtime, ctx.runtime.device
     spans = ctx.spans()
 
@@ -65,7 +67,8 @@ def quantize_layer(ctx: LayerContext, job: LayerJob) -> None:
 
             for sl in spans:
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
-            release_free_memory()   # the walk's intermediates, before the quantizers allocate (quantkit.heap)
+            if release_memory:
+                release_free_memory()   # the walk's intermediates, before the quantizers allocate (quantkit.heap)
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
