@@ -8,7 +8,8 @@ around 0.74 GiB of live tensors, an EXL2 run's to 8.2 GiB around ~1.5 GiB.  mall
 back (the heap's middle included, since glibc 2.8); called after every layer it brought the EXL2 run to 3.26
 GiB and the AWQ run to 2.18 GiB, their wall times unchanged (458 / 453 s, 80 / 81 s).  Called after each stage's
 walk as well, the demo's GGUF --imatrix run, bimodal at 0.57 or 0.73 GiB (three runs: 0.73, 0.57, 0.57), peaked
-at 0.56-0.62 GiB in four runs.  Fixing the threshold instead
+at 0.56-0.62 GiB in four runs, for 24-27 s of wall time against 23-24 s (the pages given back are faulted in again
+by the next stage; a small model pays most for that, relative to its work).  Fixing the threshold instead
 (MALLOC_MMAP_THRESHOLD_) kept the AWQ run at 1.5 GiB but made it 1.8x slower: every block then comes from fresh,
 zero-filled pages.
 """
