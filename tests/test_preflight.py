@@ -113,7 +113,8 @@ def test_the_pass_is_timed_on_a_real_layer_walk_and_scaled_by_windows_and_layers
     folder, _ = model
     walks = []
     real = capture.quantize_layer
-    monkeypatch.setattr(capture, "quantize_layer", lambda ctx, job: walks.append(ctx.stream.shape) or real(ctx, job))
+    monkeypatch.setattr(capture, "quantize_layer",
+                        lambda ctx, job, **kw: walks.append(ctx.stream.shape) or real(ctx, job, **kw))
     monkeypatch.setattr(preflight, "_pass_probe", {})
     m, cpu = Checkpoint(folder), torch.device("cpu")
     four, eight = preflight.pass_seconds(m, 4, 32, cpu), preflight.pass_seconds(m, 8, 32, cpu)
