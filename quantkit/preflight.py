@@ -73,30 +73,35 @@ def stream_bytes(model, samples: int, seqlen: int) -> int:
     return samples * seqlen * model.config.hidden_size * 4
 
 
+def _layer_groups(model) -> list[list]:
+    """Each decoder layer's stored tensors (their index entries), read from the index once per model."""
+    key = str(model.folder)
+    if key not in _groups:
+        groups: list[list] = [[] for _ in range(model.num_layers)]
+        prefixes = [model.adapter.prefix(i) for i in range(model.num_layers)]
+        for name, entry in model.weights.entries.items():
+            for i, prefix in enumerate(prefixes):
+                if name.startswith(prefix):
+                    groups[i].append(entry)
+                    break
+        _groups[key] = groups
+    return _groups[key]
+
+
+_groups: dict[str, list] = {}
+
+
 def largest_layer(model) -> int:
     """The decoder layer with the most stored bytes: the pass holds one layer at a time, so the largest sets the
     peak (a mixture whose first layers are dense — mlp_only_layers, first_k_dense_replace — is sized by a
-    mixture layer, not by layer 0)."""
-    key = str(model.folder)
-    if key not in _largest:
-        sizes = [0] * model.num_layers
-        prefixes = {model.adapter.prefix(i): i for i in range(model.num_layers)}
-        for name, entry in model.weights.entries.items():
-            for prefix, i in prefixes.items():
-                if name.startswith(prefix):
-                    sizes[i] += entry.nbytes
-                    break
-        _largest[key] = max(range(model.num_layers), key=lambda i: (sizes[i], -i))
-    return _largest[key]
-
-
-_largest: dict[str, int] = {}
+    mixture layer, not by layer 0).  The first of equals."""
+    sizes = [sum(e.nbytes for e in group) for group in _layer_groups(model)]
+    return sizes.index(max(sizes))
 
 
 def layer_entries(model) -> list:
     """The stored tensors of the largest decoder layer."""
-    prefix = model.adapter.prefix(largest_layer(model))
-    return [e for n, e in model.weights.entries.items() if n.startswith(prefix)]
+    return _layer_groups(model)[largest_layer(model)]
 
 
 def layer_params(model) -> int:
@@ -134,10 +139,12 @@ _shapes: dict[str, dict] = {}
 
 def held_second_moments(model) -> int:
     """Bytes of the float32 second moments (K×K per input group) the widest stage of the largest layer holds
-    until it is quantized: q/k/v's one, or every expert's gate/up (and then down) of a mixture."""
+    until it is quantized (q/k/v's one, or every expert's gate/up, then down, of a mixture), plus the two K×K
+    working copies GPTQ and AWQ make of the widest while they quantize a group."""
     shapes = layer_shapes(model)
     block = model.block(largest_layer(model))
-    return max(sum(shapes[g.linears[0]][1] ** 2 * 4 for g in stage) for r in block.residuals for stage in r.stages)
+    held = max(sum(shapes[g.linears[0]][1] ** 2 * 4 for g in stage) for r in block.residuals for stage in r.stages)
+    return held + max(shape[-1] for shape in shapes.values()) ** 2 * 4 * 2
 
 
 def layer_walk(model, seqlen: int, device) -> tuple[float, float]:

@@ -14,12 +14,6 @@ from __future__ import annotations
 
 import torch
 
-_settled = False
-
-
 def settle() -> None:
-    """Make the vector math library's first call from one thread; cheap, and a no-op after the first time."""
-    global _settled
-    if not _settled:
-        torch.sin(torch.zeros(8, dtype=torch.float32))   # below torch's parallel grain: runs on this thread
-        _settled = True
+    """Make the vector math library's first call from one thread (cheap; later calls change nothing)."""
+    torch.sin(torch.zeros(8, dtype=torch.float32))   # below torch's parallel grain: runs on this thread

@@ -149,7 +149,6 @@ class AWQBackend(Backend):
 
 def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
-    cfg = model.config
     dequantized = layer_params(model) * 4      # beside the pass's layer and its scaled copy
     if rtn:
         weights = 3 * dequantized
@@ -158,7 +157,7 @@ def _memory_estimate(model, samples: int, seqlen: int, rtn: bool) -> tuple[str, 
     outputs = 2 * stream                       # the sub-block's reference and candidate outputs
     shared = pass_ram(model, seqlen)
     # every group of the widest stage holds its H until the stage is quantized (all experts of a MoE layer)
-    second_moments = held_second_moments(model) + max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 2
+    second_moments = held_second_moments(model)
     search = _search_copies(model)
     total = stream + outputs + shared + dequantized + second_moments + search + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + the "

@@ -160,13 +160,12 @@ class GPTQBackend(Backend):
 
 def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) -> tuple[str, int, int, int]:
     """(text, RAM shared with the run's other calibrated jobs, RAM of this job alone, its stream's bytes)."""
-    cfg = model.config
     weights_fp32 = layer_params(model) * 4 * 2  # the layer in float32 plus the stacked copy GPTQ works on
     if rtn:
         return f"{(weights_fp32 + RUNTIME_BYTES) / 2**30:.2f} GiB (one layer in float32 + runtime)", 0, weights_fp32, 0
     stream = stream_bytes(model, samples, seqlen)
     shared = pass_ram(model, seqlen)
-    hessian = held_second_moments(model) + max(cfg.hidden_size, cfg.intermediate_size) ** 2 * 4 * 2   # + GPTQ's copies
+    hessian = held_second_moments(model)
     total = stream + shared + hessian + RUNTIME_BYTES
     return (f"{total / 2**30:.2f} GiB (hidden states {stream / 2**30:.2f} GiB per calibrated artifact + one layer + "
             f"one batch + Hessians + runtime)", shared, stream + hessian, stream)
