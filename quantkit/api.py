@@ -12,6 +12,7 @@ from .device import resolve_device
 from .backends import Plan, backend_for_artifact, parse_format_spec, registered_backends, PLANNED
 from .errors import INTERRUPTS, OutputError, QuantkitError, UsageError
 from .eval.harness import EvalResult, evaluate as _evaluate, load_windows
+from .heap import warm_start
 from .model.checkpoint import Checkpoint
 from .model.source import open_model
 from .preflight import Resources, RunEstimate, calibration_seconds, check as check_resources, combine, note_startup
@@ -165,6 +166,7 @@ def check_repo_id(repo: str) -> None:
 
 def plan(spec: str, formats: list[str], out: str | Path, options: dict | None = None) -> list[Plan]:
     note_startup()
+    warm_start()    # its probes time work as the run will do it: see quantkit.heap
     parsed = _parse_formats(formats)
     options = {**(options or {}), "estimate_time": True}
     settings = _settings(parsed, options)
@@ -195,6 +197,7 @@ def convert(spec: str, formats: list[str], out: str | Path, *, options: dict | N
     parsed = _parse_formats(formats)  # reject bad formats and options before touching the model
     options = options or {}
     settings = _settings(parsed, options)
+    warm_start()
     model = open_model(spec)
     plans = [backend.plan(model, variant, Path(out), settings[backend.name]) for backend, _, variant in parsed]
     groups: dict[str, tuple] = {}  # one write_all per format: each format reads the source once for all its variants
