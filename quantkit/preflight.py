@@ -116,12 +116,14 @@ def pass_ram(model, seqlen: int) -> int:
     return layer_params(model) * 4 * 2 + batch_for(seqlen) * seqlen * model.config.intermediate_size * 4 * 4
 
 
-def pass_seconds(model, samples: int, seqlen: int, device) -> float:
+def pass_seconds(model, samples: int, seqlen: int, device, accumulator=None) -> float:
     """One calibrated job's walk through the layers: its forwards over every calibration window (each job runs
-    its own, on its own stream), timed here on the largest layer with the pass's own code and a job that does nothing,
-    then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out 5-12x short on the demo:
-    its small matmuls, attention, norms and copies run far from that rate."""
-    per_layer, per_window = layer_walk(model, seqlen, device)
+    its own, on its own stream), timed here on the largest layer with the pass's own code and a job that does nothing
+    but gather `accumulator`'s statistics of each input group (`accumulator(features, device).add(x)` per batch,
+    as the run's job does), then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out
+    5-12x short on the demo: its small matmuls, attention, norms and copies run far from that rate; and the
+    statistics timed apart from the walk came to 1.2 s where the demo's run spent 2.7 s on them."""
+    per_layer, per_window = layer_walk(model, seqlen, device, accumulator)
     return (per_layer + per_window * samples) * model.num_layers
 
 
@@ -147,28 +149,47 @@ def held_second_moments(model) -> int:
     return held + max(shape[-1] for shape in shapes.values()) ** 2 * 4 * 2
 
 
-def layer_walk(model, seqlen: int, device) -> tuple[float, float]:
+def layer_walk(model, seqlen: int, device, accumulator=None) -> tuple[float, float]:
     """(seconds to read a layer and make its working copy, seconds per calibration window of its staged walk,
-    about two forwards of the layer), probed once per model and window length in this process."""
-    key = (str(model.folder), seqlen, str(device))
+    about two forwards of the layer, with `accumulator`'s statistics gathered on the way), probed once per model,
+    window length and statistics in this process."""
+    key = (str(model.folder), seqlen, str(device), accumulator)
     if key not in _pass_probe:
-        _pass_probe[key] = _time_layer_walk(model, seqlen, device)
+        _pass_probe[key] = _time_layer_walk(model, seqlen, device, accumulator)
     return _pass_probe[key]
 
 
-_pass_probe: dict[tuple, float] = {}
+_pass_probe: dict[tuple, tuple[float, float]] = {}
 
 
-def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
-    """quantize_layer with a job that observes and quantizes nothing, on up to 2048 tokens at a time as the pass
-    batches them, after warm-ups."""
+def _gathering_job(accumulator, device):
+    """A pass job that quantizes nothing and keeps `accumulator`'s statistics of every input group it sees (or
+    nothing, without one)."""
+    from .calibration.jobs import PassJob
+
+    class Gathering(PassJob):
+        def __init__(self):
+            self.stats = {}
+
+        def observe(self, ctx, group, x):
+            if accumulator is not None:
+                key = group.linears[0]
+                if key not in self.stats:
+                    self.stats[key] = accumulator(x.shape[-1], device)
+                self.stats[key].add(x)
+    return Gathering()
+
+
+def _time_layer_walk(model, seqlen: int, device, accumulator=None) -> tuple[float, float]:
+    """quantize_layer with a job that gathers `accumulator`'s statistics and quantizes nothing, on one batch of
+    windows as the pass makes them (batch_for: 4096 tokens; at half that, the demo's walk read ~15 % faster per
+    token), after warm-ups."""
     import time
 
     import torch
 
     from .calibration.capture import batch_for, default_compute_dtype, quantize_layer, working_weights
     from .calibration.context import LayerContext
-    from .calibration.jobs import PassJob
     from .model.engine import Runtime
     dtype = default_compute_dtype(device)
     t0 = time.perf_counter()
@@ -177,7 +198,7 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     weights = working_weights(block, source, device, dtype)
     per_layer = time.perf_counter() - t0
     runtime = Runtime(seqlen, device, dtype)
-    windows = max(1, min(batch_for(seqlen), 2048 // seqlen))
+    windows = batch_for(seqlen)
     generator = torch.Generator().manual_seed(0)
     seconds = 0.0
     # a walk's first run at a batch size pays for its buffers and kernel choices (the demo's full batch: 1.5x the
@@ -185,30 +206,13 @@ def _time_layer_walk(model, seqlen: int, device) -> tuple[float, float]:
     for n in (1, windows, windows):
         stream = torch.randn(n, seqlen, model.config.hidden_size, generator=generator)
         ctx = LayerContext(i, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
+        job = _gathering_job(accumulator, device)
         t0 = time.perf_counter()
-        quantize_layer(ctx, PassJob(), release_memory=False)
+        quantize_layer(ctx, job, release_memory=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = (time.perf_counter() - t0) / n
     return per_layer, seconds
-
-
-def statistics_seconds(model, samples: int, seqlen: int, device, accumulator) -> float:
-    """A pass job's statistics of every linear group's inputs (`accumulator(features, device).add(x)` per batch),
-    timed here on 2048 tokens of each of the largest layer's groups after a warm-up, scaled by tokens and layers."""
-    import time
-
-    import torch
-    shapes = layer_shapes(model)
-    seconds = 0.0
-    for group in model.block(largest_layer(model)).groups:
-        width = shapes[group.linears[0]][1]
-        acc, x = accumulator(width, device), torch.randn(2048, width, device=device)
-        acc.add(x[:8])
-        t0 = time.perf_counter()
-        acc.add(x)
-        seconds += time.perf_counter() - t0
-    return seconds * samples * seqlen / 2048 * model.num_layers
 
 
 def column_loop_cost(quantize_rows, rows: int, columns: int):

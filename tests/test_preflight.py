@@ -118,9 +118,9 @@ def test_the_pass_is_timed_on_a_real_layer_walk_and_scaled_by_windows_and_layers
     monkeypatch.setattr(preflight, "_pass_probe", {})
     m, cpu = Checkpoint(folder), torch.device("cpu")
     four, eight = preflight.pass_seconds(m, 4, 32, cpu), preflight.pass_seconds(m, 8, 32, cpu)
-    # a warm-up window, a batch of 2048 tokens that pays for its buffers, then that batch again, timed
-    assert walks == [(1, 32, 64), (64, 32, 64), (64, 32, 64)]
-    per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu")]
+    # a warm-up window, a batch of the pass's 4096 tokens that pays for its buffers, then that batch again, timed
+    assert walks == [(1, 32, 64), (128, 32, 64), (128, 32, 64)]
+    per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu", None)]
     assert four == pytest.approx((per_layer + 4 * per_window) * 2) and eight > four > 0
 
 

@@ -19,7 +19,7 @@ from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
 from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, pass_ram, pass_seconds, read_seconds,
-                           statistics_seconds, stream_bytes)
+                           stream_bytes)
 from ...progress import Progress, null_progress
 from . import encoders, fusion, imatrix_file, mixtures
 from .grid_encoders import NEEDS_IMATRIX
@@ -158,13 +158,10 @@ class GGUFBackend(Backend):
                         f"{fusion.BUILD_SECONDS:.0f} s each, {fusion.build_workers()} at a time, once per machine)")
             run = settings.run
             if settings.imatrix:
-                collect = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
-                           + statistics_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator))
+                collect = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             if settings.feedback:
-                feedback_pass = (pass_seconds(model, run.calib_samples, run.calib_seqlen, device)
-                                 + statistics_seconds(model, run.calib_samples, run.calib_seqlen, device,
-                                                      HessianAccumulator))
+                feedback_pass = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, HessianAccumulator)
                 feedback_own = _feedback_seconds(model, rows, device)
                 text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text
