@@ -38,14 +38,22 @@ import sys
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc():
+    """glibc, or None (another system, or a C library without malloc_trim such as musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):   # musl and other C libraries have no malloc_trim
+        libc.malloc_trim
+    except (OSError, AttributeError):
         return None
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    return libc
+
+
+def _malloc_trim():
+    libc = _glibc()
+    return None if libc is None else libc.malloc_trim
 
 
 # how far the resident set may rise above where the last trim left it before a release trims again: above one
@@ -64,10 +72,9 @@ _WARM_BLOCK = 31 * 2**20
 def warm_start() -> None:
     """Raise the C heap's mmap threshold the way a running process's work soon would, once per process (see the
     module docstring); a no-op outside glibc."""
-    if _malloc_trim() is None:
+    libc = _glibc()
+    if libc is None:
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
     block = libc.malloc(_WARM_BLOCK)
     if block:
         libc.free(block)

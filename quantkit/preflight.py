@@ -122,7 +122,7 @@ def pass_seconds(model, samples: int, seqlen: int, device, accumulator=None) -> 
     but gather `accumulator`'s statistics of each input group (`accumulator(features, device).add(x)` per batch,
     as the run's job does), then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out
     5-12x short on the demo: its small matmuls, attention, norms and copies run far from that rate; and the
-    statistics timed apart from the walk came to 1.2 s where the demo's run spent 2.7 s on them."""
+    statistics timed apart from the walk came to 1.2 s where a profile of the demo's run showed 2.7 s."""
     per_layer, per_window = layer_walk(model, seqlen, device, accumulator)
     return (per_layer + per_window * samples) * model.num_layers
 
