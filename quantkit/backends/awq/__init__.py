@@ -19,7 +19,7 @@ from ...preflight import (RUNTIME_BYTES, Resources, folder_disk, held_second_mom
                            layer_shapes, layer_walk, pass_ram, pass_seconds, stream_bytes)
 from . import spec as awq_spec
 from .algorithm import AWQSettings
-from .job import AWQJob
+from .job import AWQJob, InputStats
 from .layout import check_model, checkpoint_specs
 from .reader import AWQCheckpoint, describe, read_quantization_config
 
@@ -181,63 +181,68 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     """(this job's walk of the layers, its own work per layer × layers).  Per input group: every candidate scale
     (grid + the unscaled one) is fake-quantized, then scored by re-running its residual sub-block on the search
     windows (a group behind a norm; a sub-block costs its share of the layer's forward, which the pass's probe
-    timed) or by tr(ΔW·H·ΔWᵀ) (a group behind a linear); the clip search fake-quantizes each of its candidates;
-    the second moments cost a K² product per token.  Fake-quantization is timed here; products count at the
-    probed float32 rate."""
+    timed) or by tr(ΔW·H·ΔWᵀ) (a group behind a linear); the clip search fake-quantizes each of its candidates.
+    The walk is probed gathering the job's own statistics (mean |x| and the second moments: counted as K²
+    products at the peak float32 rate, the demo's run was estimated at 0.71x).  Fake-quantization is timed
+    here; products count at the probed float32 rate."""
     if rtn:
         return 0.0, layer_params(model) * model.num_layers * 5e-9
-    walk = pass_seconds(model, samples, seqlen, device)
+    walk = pass_seconds(model, samples, seqlen, device, InputStats)
     _, per_window = layer_walk(model, seqlen, device)
     forward = per_window / 2                            # the staged walk runs each sub-block about twice
     shapes = layer_shapes(model)
     block = model.block(largest_layer(model))
     total = sum(shapes[lin][0] * shapes[lin][1] for lin in block.linears)
     flops = matmul_flops(device, torch.float32)
-    per_weight = _probe_fake_quantize(max(block.linears, key=lambda lin: shapes[lin][0] * shapes[lin][1]),
-                                      shapes, s, device)
+    rate = _fake_quantize_rate(s, device)
     softmax = {n for r in block.residuals if isinstance(r.op, Attention) for n in (r.op.q, r.op.k)}
     candidates, clips = s.grid + 1, int(s.max_shrink * s.grid)
-    windows, searched = samples, min(samples, s.search_samples or samples)
+    searched = min(samples, s.search_samples or samples)
     own = 0.0
     for r in block.residuals:
         share = sum(shapes[lin][0] * shapes[lin][1] for st in r.stages for g in st for lin in g.linears) / total
         for index, stage in enumerate(r.stages):
             if index == 0 and isinstance(r.op, MoE) and s.search_scales:   # the experts are balanced together
                 n, k = sum(shapes[lin][0] for g in stage for lin in g.linears), shapes[stage[0].linears[0]][1]
-                own += candidates * (n * k * per_weight + forward * share * searched)
+                own += candidates * (n * k * rate(n, k) + forward * share * searched)
             for g in stage:
                 n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
-                routed = _token_share(r.op, g)
-                own += 2 * windows * seqlen * routed * k * k / flops            # second moments
                 if s.search_scales and not (index == 0 and isinstance(r.op, MoE)):
                     score = forward * share * searched if index == 0 else 2 * n * k * k / flops
-                    own += candidates * (n * k * per_weight + score)
+                    own += candidates * (n * k * rate(n, k) + score)
                 if s.search_clip:
                     rows = sum(shapes[lin][0] for lin in g.linears if lin not in softmax)
                     group = s.group(k)
-                    own += clips * rows * k * (per_weight + 2 * group / flops)
+                    own += clips * rows * k * (rate(max(rows, 1), k) + 2 * group / flops)
     return walk, own * model.num_layers
 
 
-def _token_share(op, group) -> float:
-    """The share of the calibration tokens a group's linears see: a routed expert its top_k / experts, a shared
-    expert (and everything outside a mixture) all of them."""
-    if not isinstance(op, MoE):
-        return 1.0
-    shared = op.shared
-    if shared is not None and group.linears[0] in (shared.gate, shared.up, shared.down):
-        return 1.0
-    return op.top_k / len(op.experts)
+# weights a fake-quantization probe times at most: a stack this size (64 MiB in float32) already runs at the
+# memory-bound rate of larger ones
+_PROBE_WEIGHTS = 16 * 2**20
 
 
-def _probe_fake_quantize(name: str, shapes: dict, s: AWQSettings, device: torch.device) -> float:
-    """Seconds per weight of one candidate's quantize-dequantize here, on the layer's largest linear's shape."""
+def _fake_quantize_rate(s: AWQSettings, device: torch.device):
+    """rate(rows, columns): seconds per weight of one scale candidate here (W·s quantized, dequantized and
+    divided by s) on a stack of that shape, timed on up to _PROBE_WEIGHTS of it once per shape.  The rate
+    depends on the size: the quantize-dequantize alone took 8.5 ns a weight on the synthetic mixtral's 16 expert
+    gate/up balanced together (33.5 M weights), 1.7 ns on one of its 2 M-weight linears (probed on the largest
+    linear alone, the mixtral's run was estimated at 0.66x)."""
     from .algorithm import fake_quantize
-    w = torch.randn(shapes[name], generator=torch.Generator().manual_seed(0)).to(device)
-    fake_quantize(w[:8], s)
-    t0 = time.perf_counter()
-    fake_quantize(w, s)
-    return (time.perf_counter() - t0) / w.numel()
+    probed: dict[tuple[int, int], float] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    def rate(rows: int, k: int) -> float:
+        rows = max(1, min(rows, _PROBE_WEIGHTS // k))
+        if (rows, k) not in probed:
+            w = torch.randn(rows, k, generator=gen).to(device)
+            scale = (torch.rand(k, generator=gen) + 0.5).to(device)
+            fake_quantize(w * scale, s) / scale          # the first call at a size pays for its buffers
+            t0 = time.perf_counter()
+            fake_quantize(w * scale, s) / scale
+            probed[rows, k] = (time.perf_counter() - t0) / w.numel()
+        return probed[rows, k]
+    return rate
 
 
 BACKEND = AWQBackend()
