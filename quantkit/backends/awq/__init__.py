@@ -182,9 +182,9 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     (grid + the unscaled one) is fake-quantized, then scored by re-running its residual sub-block on the search
     windows (a group behind a norm; a sub-block costs its share of the layer's forward, which the pass's probe
     timed) or by tr(ΔW·H·ΔWᵀ) (a group behind a linear); the clip search fake-quantizes each of its candidates.
-    The walk is probed gathering the job's own statistics (mean |x| and the second moments: counted as K²
-    products at the peak float32 rate, the demo's run was estimated at 0.71x).  Fake-quantization is timed
-    here; products count at the probed float32 rate."""
+    The walk is probed gathering the job's own statistics (mean |x| and H; counted apart as K² products at the
+    1024² matmul rate, the demo's run was estimated at 0.71x); a candidate is timed here (_candidate_cost), the
+    clip search's block products count at that matmul rate."""
     if rtn:
         return 0.0, layer_params(model) * model.num_layers * 5e-9
     walk = pass_seconds(model, samples, seqlen, device, InputStats)
@@ -194,7 +194,7 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
     block = model.block(largest_layer(model))
     total = sum(shapes[lin][0] * shapes[lin][1] for lin in block.linears)
     flops = matmul_flops(device, torch.float32)
-    rate = _fake_quantize_rate(s, device)
+    cost = _candidate_cost(s, device)
     softmax = {n for r in block.residuals if isinstance(r.op, Attention) for n in (r.op.q, r.op.k)}
     candidates, clips = s.grid + 1, int(s.max_shrink * s.grid)
     searched = min(samples, s.search_samples or samples)
@@ -204,16 +204,15 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
         for index, stage in enumerate(r.stages):
             if index == 0 and isinstance(r.op, MoE) and s.search_scales:   # the experts are balanced together
                 n, k = sum(shapes[lin][0] for g in stage for lin in g.linears), shapes[stage[0].linears[0]][1]
-                own += candidates * (n * k * rate(n, k) + forward * share * searched)
+                own += candidates * (cost(n, k) + forward * share * searched)
             for g in stage:
                 n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
                 if s.search_scales and not (index == 0 and isinstance(r.op, MoE)):
-                    score = forward * share * searched if index == 0 else 2 * n * k * k / flops
-                    own += candidates * (n * k * rate(n, k) + score)
+                    own += candidates * (cost(n, k) + forward * share * searched if index == 0 else
+                                         cost(n, k, scored=True))
                 if s.search_clip:
                     rows = sum(shapes[lin][0] for lin in g.linears if lin not in softmax)
-                    group = s.group(k)
-                    own += clips * rows * k * (rate(max(rows, 1), k) + 2 * group / flops)
+                    own += clips * (cost(rows, k) + 2 * rows * k * s.group(k) / flops) if rows else 0.0
     return walk, own * model.num_layers
 
 
@@ -222,27 +221,35 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
 _PROBE_WEIGHTS = 16 * 2**20
 
 
-def _fake_quantize_rate(s: AWQSettings, device: torch.device):
-    """rate(rows, columns): seconds per weight of one scale candidate here (W·s quantized, dequantized and
-    divided by s) on a stack of that shape, timed on up to _PROBE_WEIGHTS of it once per shape.  The rate
-    depends on the size: the quantize-dequantize alone took 8.5 ns a weight on the synthetic mixtral's 16 expert
-    gate/up balanced together (33.5 M weights), 1.7 ns on one of its 2 M-weight linears (probed on the largest
-    linear alone, the mixtral's run was estimated at 0.66x)."""
-    from .algorithm import fake_quantize
-    probed: dict[tuple[int, int], float] = {}
+def _candidate_cost(s: AWQSettings, device: torch.device):
+    """cost(rows, columns, scored=False): seconds of one scale candidate here on a stack of that shape — W·s
+    quantized, dequantized and divided by s, and for a group behind a linear (`scored`) its loss
+    tr(ΔW·H·ΔWᵀ) — timed on up to _PROBE_WEIGHTS of it once per shape and scaled by the rows.  Timed, not
+    counted: the quantize-dequantize took 8.5 ns a weight on the synthetic mixtral's 16 expert gate/up balanced
+    together (33.5 M weights) and 1.7 ns on one of its 2 M-weight linears, and the loss's products at the
+    1024² matmul rate read the demo's run at 0.73x."""
+    from .algorithm import fake_quantize, linear_loss
+    probed: dict[tuple[int, int, bool], float] = {}
     gen = torch.Generator().manual_seed(0)
 
-    def rate(rows: int, k: int) -> float:
-        rows = max(1, min(rows, _PROBE_WEIGHTS // k))
-        if (rows, k) not in probed:
-            w = torch.randn(rows, k, generator=gen).to(device)
+    def cost(rows: int, k: int, scored: bool = False) -> float:
+        probe = max(1, min(rows, _PROBE_WEIGHTS // k))
+        if (probe, k, scored) not in probed:
+            w = torch.randn(probe, k, generator=gen).to(device)
             scale = (torch.rand(k, generator=gen) + 0.5).to(device)
-            fake_quantize(w * scale, s) / scale          # the first call at a size pays for its buffers
+            x = torch.randn(2 * k, k, generator=gen).to(device)
+            loss = linear_loss(w, x.T @ x / x.shape[0]) if scored else None
+
+            def candidate() -> None:
+                c = fake_quantize(w * scale, s) / scale
+                if loss is not None:
+                    loss(c)
+            candidate()                           # the first call at a size pays for its buffers
             t0 = time.perf_counter()
-            fake_quantize(w * scale, s) / scale
-            probed[rows, k] = (time.perf_counter() - t0) / w.numel()
-        return probed[rows, k]
-    return rate
+            candidate()
+            probed[probe, k, scored] = (time.perf_counter() - t0) / probe
+        return probed[probe, k, scored] * rows
+    return cost
 
 
 BACKEND = AWQBackend()
