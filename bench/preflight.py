@@ -183,12 +183,18 @@ EXPLAINED = {
         "and tensor, 0.73 / 0.57 / 0.57 GiB in three runs; also after each stage's walk (quantkit/heap.py), "
         "0.56-0.62 GiB in four",
     ("exl2:4.0bpw", "time"):
-        "EXL2's time probes (a quantization per layout, the sub-block re-runs) spread widely between dry runs on this "
-        "2-core machine: the demo 313-406 s against 278 s on 2026-12-03 (the code before 2026-12-05's estimate "
-        "changes gives 313-327 s today), the mixtral 381-718 s",
+        "the synthetic mixtral: 465 s measured (433 s on the run before, 2026-12-05), 363 s estimated; its "
+        "measurement re-runs the mixture block once per option with every expert swapped for its candidate (24 "
+        "tensors, 50 M weights, converted to the compute dtype each time), which the estimate prices as the block's "
+        "share of one probed walk, as AWQ's did before its candidates were timed whole (0.66x, now 0.83x); not yet "
+        "timed apart. The dense demo: 1.03",
     ("bnb:nf4", "time"):
-        "a 3.6 s run: the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
+        "a 4.7 s run (3.6 s on 2026-12-03): the estimate's read of the 1.07 GiB source at 500 MiB/s (2.2 s) is not paid by a file the "
         "benchmark has just written, still in the page cache",
+    ("gptq:4bit-g128 + awq:4bit-g64", "time"):
+        "the two jobs in one pass ran 87 s where each alone ran 28 s and 53 s (81 s with two start-ups; 80 s for "
+        "this run on 2026-12-03): the estimate (69 s) adds the parts of the two estimates that were 0.93x and 0.96x "
+        "alone, so the shortfall is the shared run's own, not a missing part",
 }
 
 
