@@ -208,11 +208,11 @@ def _time_estimate(model, samples: int, seqlen: int, s: AWQSettings, rtn: bool,
             for g in stage:
                 n, k = sum(shapes[lin][0] for lin in g.linears), shapes[g.linears[0]][1]
                 if s.search_scales and not (index == 0 and isinstance(r.op, MoE)):
-                    own += candidates * (cost(n, k) + forward * share * searched if index == 0 else
-                                         cost(n, k, scored=True))
-                if s.search_clip:
-                    rows = sum(shapes[lin][0] for lin in g.linears if lin not in softmax)
-                    own += clips * (cost(rows, k) + 2 * rows * k * s.group(k) / flops) if rows else 0.0
+                    rerun = forward * share * searched if index == 0 else 0.0   # else scored by its H
+                    own += candidates * (cost(n, k, scored=index > 0) + rerun)
+                rows = sum(shapes[lin][0] for lin in g.linears if lin not in softmax)
+                if s.search_clip and rows:
+                    own += clips * (cost(rows, k) + 2 * rows * k * s.group(k) / flops)
     return walk, own * model.num_layers
 
 
@@ -237,8 +237,10 @@ def _candidate_cost(s: AWQSettings, device: torch.device):
         if (probe, k, scored) not in probed:
             w = torch.randn(probe, k, generator=gen).to(device)
             scale = (torch.rand(k, generator=gen) + 0.5).to(device)
-            x = torch.randn(2 * k, k, generator=gen).to(device)
-            loss = linear_loss(w, x.T @ x / x.shape[0]) if scored else None
+            loss = None
+            if scored:
+                x = torch.randn(2 * k, k, generator=gen).to(device)
+                loss = linear_loss(w, x.T @ x / x.shape[0])
 
             def candidate() -> None:
                 c = fake_quantize(w * scale, s) / scale
