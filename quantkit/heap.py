@@ -80,7 +80,8 @@ def warm_start() -> None:
         libc.free(block)
 
 
-def _resident_bytes() -> int | None:
+def resident_bytes() -> int | None:
+    """This process's resident set in bytes (/proc/self/statm), or None where it cannot be read."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -94,8 +95,8 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is None:
         return
-    rss, level = _resident_bytes(), _last_trim["rss"]
+    rss, level = resident_bytes(), _last_trim["rss"]
     if rss is not None and level is not None and rss < level + GROWTH:
         return
     trim(0)
-    _last_trim["rss"] = _resident_bytes()
+    _last_trim["rss"] = resident_bytes()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ResourceError
+from .heap import resident_bytes
 
 GiB = 2**30
 # python + torch + transformers + quantkit imported, a tokenizer loaded: 0.3-0.45 GiB here (bench/results/
@@ -163,20 +164,19 @@ _pass_probe: dict[tuple, tuple[float, float]] = {}
 
 
 def _gathering_job(accumulator, device):
-    """A pass job that quantizes nothing and keeps `accumulator`'s statistics of every input group it sees (or
-    nothing, without one)."""
+    """A pass job that quantizes nothing and gathers `accumulator`'s statistics of each input group the way the
+    quantizers' jobs keep them (GroupStats); without an accumulator, a job that does nothing."""
     from .calibration.jobs import PassJob
+    from .calibration.stats import GroupStats
+    if accumulator is None:
+        return PassJob()
 
     class Gathering(PassJob):
         def __init__(self):
-            self.stats = {}
+            self.stats = GroupStats(accumulator, device)
 
         def observe(self, ctx, group, x):
-            if accumulator is not None:
-                key = group.linears[0]
-                if key not in self.stats:
-                    self.stats[key] = accumulator(x.shape[-1], device)
-                self.stats[key].add(x)
+            self.stats.add(group, x)
     return Gathering()
 
 
@@ -347,11 +347,7 @@ def available_ram() -> int:
 
 
 def _own_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    return resident_bytes() or 0
 
 
 def free_disk(out: Path) -> int:

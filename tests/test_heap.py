@@ -19,7 +19,7 @@ def trims(monkeypatch):
         state["trims"] += 1
         state["rss"] = state["after"]
     monkeypatch.setattr(heap, "_malloc_trim", lambda: trim)
-    monkeypatch.setattr(heap, "_resident_bytes", lambda: state["rss"])
+    monkeypatch.setattr(heap, "resident_bytes", lambda: state["rss"])
     monkeypatch.setattr(heap, "_last_trim", {"rss": None})
     return state
 
@@ -38,7 +38,7 @@ def test_a_release_trims_once_the_resident_set_has_grown_past_the_last_trim(trim
 
 
 def test_a_release_trims_every_time_where_the_resident_set_cannot_be_read(trims, monkeypatch):
-    monkeypatch.setattr(heap, "_resident_bytes", lambda: None)
+    monkeypatch.setattr(heap, "resident_bytes", lambda: None)
     for _ in range(3):
         heap.release_free_memory()
     assert trims["trims"] == 3
@@ -46,8 +46,8 @@ def test_a_release_trims_every_time_where_the_resident_set_cannot_be_read(trims,
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc are Linux's")
 def test_the_resident_set_is_read_from_this_process():
-    before = heap._resident_bytes()
+    before = heap.resident_bytes()
     block = bytearray(64 * MiB)            # zero-filled and touched: resident
     block[::4096] = b"\1" * len(block[::4096])
-    assert heap._resident_bytes() >= before + 60 * MiB
+    assert heap.resident_bytes() >= before + 60 * MiB
     del block
