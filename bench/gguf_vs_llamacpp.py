@@ -13,6 +13,12 @@ of each; the samples are kept in the JSON.
 
     python bench/gguf_vs_llamacpp.py [--types Q8_0,Q4_K_M] [--models demo,synthetic] [--windows 40] [--repeats 3]
 
+`--lowbit` benchmarks the file types of the low-bit lattice and ternary encoders instead (IQ1_S ... IQ3_M, TQ1_0,
+TQ2_0, Q2_K_S; results in gguf_vs_llamacpp_lowbit.*).  Most of them need an importance matrix, so one matrix
+file per model is made first (quantkit's calibration pass on wikitext2-valid, `--imatrix-out`; not timed) and both
+tools quantize with that same file: quantkit with `--imatrix-file`, llama.cpp with the llama-quantize program
+(built once from the pinned sdist, as bench/imatrix_llamacpp.py does: the Python binding cannot pass a matrix).
+
 The driver imports no torch: each measured step runs in its own process, timed with os.wait4, so a child's
 peak RSS is its own (Linux carries ru_maxrss across fork + exec from a large parent).
 """
@@ -41,6 +47,10 @@ ALL_TYPES = ["Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q5_0", "Q5_1
 FTYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
              "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
              "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+# the file types of the lattice (IQ1-IQ3) and ternary encoders, as llama-quantize names them
+LOWBIT_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ1_S", "IQ1_M",
+                "TQ1_0", "TQ2_0", "Q2_K_S"]
+CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 THREADS = os.cpu_count() or 1
 
 
@@ -181,7 +191,24 @@ def machine() -> str:
     return f"{cpu}, {THREADS} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}"
 
 
-def bench_model(label: str, src: Path, types: list[str], converter: Path, work: Path, repeats: int) -> list[dict]:
+def make_imatrix(src: Path, work: Path, samples: int, seqlen: int) -> Path:
+    """One importance-matrix file for the model (llama-imatrix's GGUF layout), from quantkit's calibration pass on
+    wikitext2-valid; both tools then quantize with it."""
+    matrix = work / f"imatrix-{samples}x{seqlen}.gguf"
+    if not matrix.is_file():
+        out = work / "imatrix-run"
+        subprocess.run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", "gguf:Q4_K_M", "-o", str(out),
+                        "--device", "cpu", "--imatrix", "--calib", str(CALIB), "--calib-samples", str(samples),
+                        "--calib-seqlen", str(seqlen), "--imatrix-out", str(matrix)], check=True,
+                       stdout=subprocess.DEVNULL)
+        for f in out.glob("*.gguf"):
+            f.unlink()
+    return matrix
+
+
+def bench_model(label: str, src: Path, types: list[str], converter: Path, work: Path, repeats: int,
+                imatrix: Path | None = None, quantize_bin: Path | None = None) -> list[dict]:
+    """`imatrix` (with `quantize_bin`, llama-quantize): both tools quantize with that matrix file."""
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     conv_env = {"PYTHONPATH": str(converter.parent / "gguf-py")}
@@ -200,14 +227,18 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, work: 
         ref = work / f"llama-{t}.gguf"
 
         def quantkit() -> tuple[float, int]:
+            matrix = ["--imatrix-file", str(imatrix)] if imatrix else []
             return run_fresh([sys.executable, "-m", "quantkit", "convert", str(src), "-f", f"gguf:{t}", "-o",
-                              str(qk_dir), "--device", "cpu"], qk_dir.glob(f"*-{t}.gguf"))
+                              str(qk_dir), "--device", "cpu", *matrix], qk_dir.glob(f"*-{t}.gguf"))
 
         def llama() -> tuple[float, int]:
             if t in ("F16", "BF16", "F32"):
                 return convert(t.lower(), ref)
-            wall, rss = run_fresh([sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)],
-                                  [ref])
+            if imatrix:
+                cmd = [str(quantize_bin), "--imatrix", str(imatrix), str(bf16), str(ref), t, str(THREADS)]
+            else:
+                cmd = [sys.executable, "-c", QUANTIZE, str(bf16), str(ref), str(FTYPE_IDS[t]), str(THREADS)]
+            wall, rss = run_fresh(cmd, [ref])
             return conv_wall + wall, max(conv_rss, rss)
 
         before = kernels_built()
@@ -259,14 +290,21 @@ def build_kernels(syn: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default=",".join(ALL_TYPES))
-    ap.add_argument("--models", default="demo,synthetic")
+    ap.add_argument("--types", default=None, help="file types (default: all of the mode)")
+    ap.add_argument("--models", default=None, help="demo,synthetic (default; --lowbit: demo: at its speed the "
+                    "synthetic model's IQ files take tens of minutes each)")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each tool per row; the median is reported")
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt")
-    ap.add_argument("--out", default="gguf_vs_llamacpp")
+    ap.add_argument("--out", default=None, help="results name (default gguf_vs_llamacpp[_lowbit])")
+    ap.add_argument("--lowbit", action="store_true", help="the lattice and ternary file types, with an importance "
+                    "matrix file given to both tools (see the module docstring)")
+    ap.add_argument("--calib-samples", type=int, default=128, help="--lowbit: calibration windows of the matrix")
+    ap.add_argument("--calib-seqlen", type=int, default=512, help="--lowbit: tokens per calibration window")
     args = ap.parse_args()
-    types = args.types.split(",")
+    types = args.types.split(",") if args.types else (LOWBIT_TYPES if args.lowbit else ALL_TYPES)
+    args.models = args.models or ("demo" if args.lowbit else "demo,synthetic")
+    args.out = args.out or ("gguf_vs_llamacpp_lowbit" if args.lowbit else "gguf_vs_llamacpp")
     converter = llama_cpp_converter()
     os.environ["QUANTKIT_KERNEL_DIR"] = str(KERNEL_DIR)
     demo = Path(subprocess.run([sys.executable, "-c", "from quantkit.model.source import open_model; "
@@ -276,18 +314,34 @@ def main() -> None:
               "llama_cpp": f"llama-cpp-python {LLAMA_CPP_PYTHON} (llama.cpp 0c1e57098)", "threads": THREADS,
               "repeats": args.repeats, "rows": [], "quality": {}}
     syn = WORK / "synthetic-src"
-    if not (syn / "model.safetensors").is_file():
+    if "synthetic" in args.models and not (syn / "model.safetensors").is_file():
         subprocess.run([sys.executable, "-c", MAKE_SYNTHETIC, str(demo), str(syn)], check=True)
-    result["kernel_build"] = build_kernels(syn)
+    quantize_bin = None
+
+    def matrix_of(src: Path, work: Path) -> Path | None:
+        return make_imatrix(src, work, args.calib_samples, args.calib_seqlen) if args.lowbit else None
+
+    if args.lowbit:
+        # the lattice encoders use no fused kernels of their own (the mixtures' K-quant tensors use the shipped ones)
+        sys.path.insert(0, str(ROOT / "bench"))
+        from imatrix_llamacpp import build_tools
+        quantize_bin = build_tools() / "llama-quantize"
+        result["imatrix"] = {"data": CALIB.name, "samples": args.calib_samples, "seqlen": args.calib_seqlen,
+                             "made_by": "quantkit --imatrix --imatrix-out (GGUF), not timed; both tools read it"}
+    elif "synthetic" in args.models:
+        result["kernel_build"] = build_kernels(syn)
     demo_rows = []
     if "demo" in args.models:
         result["notes"] = list(DEMO_NOTES)
-        demo_rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, WORK / "demo", args.repeats)
+        work = WORK / ("demo-lowbit" if args.lowbit else "demo")
+        demo_rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, work, args.repeats,
+                                matrix_of(demo, work), quantize_bin)
         result["rows"] += demo_rows
     if "synthetic" in args.models:
         result["synthetic_bytes"] = (syn / "model.safetensors").stat().st_size
+        work = WORK / ("synthetic-lowbit" if args.lowbit else "synthetic")
         result["rows"] += bench_model("synthetic llama (hidden 2048, 8 layers, bf16)", syn, types, converter,
-                                      WORK / "synthetic", args.repeats)
+                                      work, args.repeats, matrix_of(syn, work), quantize_bin)
     # quality last: it is not timed, so nothing after it can be disturbed by what else runs on the machine
     if demo_rows and args.data.is_file():
         proc = subprocess.run([sys.executable, "-c", EVAL, "demo:smollm2-135m", str(args.data),
@@ -310,8 +364,14 @@ def write_results(result: dict, name: str) -> None:
     gib = lambda b: f"{b / 2**30:.2f}"
     lines = ["# GGUF: quantkit vs llama.cpp (convert_hf_to_gguf.py + llama-quantize)\n",
              f"Date {result['date']}. Machine: {result['machine']}. Reference: {result['llama_cpp']}, "
-             f"{result['threads']} threads. Command: `python bench/gguf_vs_llamacpp.py`.\n",
+             f"{result['threads']} threads. Command: `python bench/gguf_vs_llamacpp.py"
+             f"{' --lowbit' if result.get('imatrix') else ''}`.\n",
              "Goal per type: quantkit wall time ≤ 1.0× llama.cpp's, identical tensor bytes, peak RSS ≤ llama.cpp's.\n",
+             *([f"Both tools quantize with the same importance-matrix file: {result['imatrix']['samples']} × "
+                f"{result['imatrix']['seqlen']} tokens of {result['imatrix']['data']}, collected by quantkit's "
+                "calibration pass and written in llama-imatrix's GGUF layout (not timed); quantkit reads it with "
+                "`--imatrix-file`, llama.cpp's side is its converter to BF16 plus the llama-quantize program with "
+                "`--imatrix`.\n"] if result.get("imatrix") else []),
              f"Times are the median of {result.get('repeats', 1)} runs of each tool, the tools taking turns to go "
              "first (the range of the runs in brackets); RSS is the highest of the runs.\n",
              "| model | type | quantkit s | llama.cpp s | time ratio | quantkit RSS GiB | llama.cpp RSS GiB | RSS ratio "
