@@ -143,8 +143,11 @@ same_types = a.keys() == b.keys() and all(a[n].tensor_type == b[n].tensor_type f
 identical = [n for n in a if n in b and np.asarray(a[n].data).tobytes() == np.asarray(b[n].data).tobytes()]
 nbytes = sum(int(t.n_bytes) for t in a.values())
 diff_bytes = sum(int(a[n].n_bytes) for n in a if n not in identical)
+counts = {}
+for t in a.values():
+    counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
 print(json.dumps({"tensors": len(a), "identical_tensors": len(identical), "same_types": same_types,
-                  "differing_bytes_fraction": diff_bytes / nbytes}))
+                  "differing_bytes_fraction": diff_bytes / nbytes, "tensor_types": counts}))
 """
 
 EVAL = r"""
@@ -173,6 +176,14 @@ print(json.dumps(out))
 # forced, then again with the kernels built: the difference is what a first run on a machine pays, once.
 WARM_TYPES = ["Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
 KERNEL_DIR = WORK / "kernels"
+LOWBIT_NOTES = [
+    "the demo's hidden size (576) is not a multiple of 256, so llama-quantize's fallback gives every tensor with "
+    "rows of 576 another type (IQ4_NL, Q4_0; see the tensor types below): in the lattice rows only the 27-30 "
+    "ffn_down tensors (rows of 1536) are in the file's own low-bit types, about a third of the weights; the "
+    "encoders themselves, on tensors wholly in each type, are measured in bench/results/gguf_lowbit_encoders.md",
+    "TQ1_0 and TQ2_0 are for ternary-trained models (BitNet b1.58); on the demo's ordinary weights they are "
+    "unusable, as in llama.cpp (same bytes)",
+]
 DEMO_NOTES = [
     "the demo checkpoint is a dequantized Q4_1 (group 32) model, so Q4_1 re-quantizes it almost losslessly and "
     "grids that do not align with it (Q5_1, Q3_K, IQ4) look worse than on a normally trained model",
@@ -262,6 +273,7 @@ def bench_model(label: str, src: Path, types: list[str], converter: Path, work: 
                "identical": cmp["identical_tensors"] == cmp["tensors"] and cmp["same_types"],
                "identical_tensors": f"{cmp['identical_tensors']}/{cmp['tensors']}",
                "differing_bytes_fraction": cmp["differing_bytes_fraction"],
+               "tensor_types": cmp["tensor_types"], "date": dt.date.today().isoformat(),
                "kernels_built_during_run": new_kernels,
                "quantkit_size": qk_file.stat().st_size, "llamacpp_size": ref.stat().st_size,
                "quantkit_file": str(qk_file), "llamacpp_file": str(ref)}
@@ -299,6 +311,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results name (default gguf_vs_llamacpp[_lowbit])")
     ap.add_argument("--lowbit", action="store_true", help="the lattice and ternary file types, with an importance "
                     "matrix file given to both tools (see the module docstring)")
+    ap.add_argument("--merge", action="store_true", help="replace only these rows (and their quality) in the "
+                    "existing results, keeping the others")
     ap.add_argument("--calib-samples", type=int, default=128, help="--lowbit: calibration windows of the matrix")
     ap.add_argument("--calib-seqlen", type=int, default=512, help="--lowbit: tokens per calibration window")
     args = ap.parse_args()
@@ -332,7 +346,7 @@ def main() -> None:
         result["kernel_build"] = build_kernels(syn)
     demo_rows = []
     if "demo" in args.models:
-        result["notes"] = list(DEMO_NOTES)
+        result["notes"] = list(LOWBIT_NOTES if args.lowbit else DEMO_NOTES)
         work = WORK / ("demo-lowbit" if args.lowbit else "demo")
         demo_rows = bench_model("demo (SmolLM2-135M, bf16)", demo, types, converter, work, args.repeats,
                                 matrix_of(demo, work), quantize_bin)
@@ -348,7 +362,21 @@ def main() -> None:
                                str(args.windows)] + [r["quantkit_file"] for r in demo_rows],
                               capture_output=True, text=True, check=True)
         result["quality"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if args.merge and (RESULTS / f"{args.out}.json").is_file():
+        result = merged(json.loads((RESULTS / f"{args.out}.json").read_text()), result)
     write_results(result, args.out)
+
+
+def merged(old: dict, new: dict) -> dict:
+    """`old` with `new`'s rows (same model and type) and quality entries in place of its own; the header (date,
+    machine) is new's, and rows from another day keep their own date."""
+    key = lambda r: (r["model"], r["type"])
+    fresh = {key(r): r for r in new["rows"]}
+    rows = [fresh.pop(key(r), r) for r in old["rows"]] + list(fresh.values())
+    for r in old["rows"]:
+        r.setdefault("date", old["date"])
+    return {**old, **{k: v for k, v in new.items() if k not in ("rows", "quality")}, "rows": rows,
+            "quality": {**old.get("quality", {}), **new.get("quality", {})}}
 
 
 def timing(median_s: float, runs: list[float] | None) -> str:
@@ -394,8 +422,19 @@ def write_results(result: dict, name: str) -> None:
                      f"{kb['build_s']} s, once. The timed runs load them (milliseconds); kernels built during a "
                      f"timed run: {', '.join(built_late) if built_late else 'none'}. Every timed run of either tool "
                      "starts after os.sync(), so that none pays for the previous one's dirty pages.")
+    older = [f"{r['model'].split(' (')[0]} {r['type']} ({r['date']})" for r in result["rows"]
+             if r.get("date", result["date"]) != result["date"]]
+    if older:
+        lines.append(f"\nNote: rows measured on another day than the header's: {', '.join(older)}.")
     for note in result.get("notes", []):
         lines.append(f"\nNote: {note}.")
+    typed = [r for r in result["rows"] if r.get("tensor_types")]
+    if typed:
+        lines += ["", "## Tensor types in quantkit's files (the same as llama.cpp's)\n", "| model | type | tensors |",
+                  "|---|---|---|"]
+        for r in typed:
+            kinds = sorted(r["tensor_types"].items(), key=lambda kv: -kv[1])
+            lines.append(f"| {r['model'].split(' (')[0]} | {r['type']} | {', '.join(f'{n} {k}' for k, n in kinds)} |")
     if result.get("quality"):
         lines += ["", "## Demo model through llama.cpp (wikitext-2 test, 512-token windows; base: the bf16 model "
                   "in quantkit's harness)\n", "| file | perplexity | mean KLD | top-1 agreement |", "|---|---|---|---|"]
