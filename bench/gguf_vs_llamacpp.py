@@ -37,6 +37,7 @@ from pathlib import Path
 from statistics import median
 
 import measure  # bench/measure.py
+from imatrix_llamacpp import CALIB, build_tools, quantkit as run_quantkit  # bench/imatrix_llamacpp.py
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work" / "gguf"
@@ -50,7 +51,6 @@ FTYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5
 # the file types of the lattice (IQ1-IQ3) and ternary encoders, as llama-quantize names them
 LOWBIT_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ1_S", "IQ1_M",
                 "TQ1_0", "TQ2_0", "Q2_K_S"]
-CALIB = ROOT.parent / "shared" / "data" / "wikitext2-valid.txt"
 THREADS = os.cpu_count() or 1
 
 
@@ -208,10 +208,9 @@ def make_imatrix(src: Path, work: Path, samples: int, seqlen: int) -> Path:
     matrix = work / f"imatrix-{samples}x{seqlen}.gguf"
     if not matrix.is_file():
         out = work / "imatrix-run"
-        subprocess.run([sys.executable, "-m", "quantkit", "convert", str(src), "-f", "gguf:Q4_K_M", "-o", str(out),
-                        "--device", "cpu", "--imatrix", "--calib", str(CALIB), "--calib-samples", str(samples),
-                        "--calib-seqlen", str(seqlen), "--imatrix-out", str(matrix)], check=True,
-                       stdout=subprocess.DEVNULL)
+        run_quantkit("convert", str(src), "-f", "gguf:Q4_K_M", "-o", str(out), "--device", "cpu", "--imatrix",
+                     "--calib", str(CALIB), "--calib-samples", str(samples), "--calib-seqlen", str(seqlen),
+                     "--imatrix-out", str(matrix))
         for f in out.glob("*.gguf"):
             f.unlink()
     return matrix
@@ -337,8 +336,6 @@ def main() -> None:
 
     if args.lowbit:
         # the lattice encoders use no fused kernels of their own (the mixtures' K-quant tensors use the shipped ones)
-        sys.path.insert(0, str(ROOT / "bench"))
-        from imatrix_llamacpp import build_tools
         quantize_bin = build_tools() / "llama-quantize"
         result["imatrix"] = {"data": CALIB.name, "samples": args.calib_samples, "seqlen": args.calib_seqlen,
                              "made_by": "quantkit --imatrix --imatrix-out (GGUF), not timed; both tools read it"}
