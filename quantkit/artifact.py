@@ -18,7 +18,7 @@ from .errors import INTERRUPTS, OutputError
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
 

@@ -43,7 +43,7 @@ _FUSED = {
     QT.Q2_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_q2_finish"),
     QT.Q3_K: ("_q3_start", "_q3_pass"),
     QT.Q4_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_k45_finish"),
-    QT.Q6_K: ("_qx_candidate", "_q6_finish"),
+    QT.Q6_K: ("_qx_search",),
     QT.IQ4_NL: ("_iq4_candidate",),
     QT.IQ4_XS: ("_iq4_candidate",),
 }
@@ -297,7 +297,7 @@ def test_the_shipped_set_is_left_aside_when_asked_or_unusable(tmp_path, monkeypa
     monkeypatch.setattr(fusion, "_build_failed", False)
     built = []
     monkeypatch.setattr(fusion, "_build", lambda fn, args, path, portable=False: built.append(path))
-    f = encoders._qx_candidate
+    f = encoders._qx_search
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 4096, generator=g)
     for how in ("env", "cpu"):

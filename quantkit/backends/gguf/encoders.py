@@ -51,7 +51,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
 from .exact import (_div, _recip, _nearest_int, _ni, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
-    _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND)
+    _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND, _MAGIC)
 from .fusion import fused
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
 from .iq1_encoders import IQ1_ENCODERS
@@ -78,7 +78,7 @@ _KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 6
 def _pack_nibbles_halves(L: torch.Tensor) -> torch.Tensor:
     """(32*k, nb) -> (16*k, nb): byte j of each 32-group = L[j] | L[j+16] << 4."""
     n, nb = L.shape
-    v = L.view(n // 32, 2, 16, nb)
+    v = L.to(torch.uint8).view(n // 32, 2, 16, nb)      # codes < 16: the bit work on a quarter of the bytes
     return (v[:, 0] | (v[:, 1] << 4)).reshape(n // 2, nb)
 
 
@@ -125,7 +125,6 @@ def _qx_candidate_vec(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
     return _qx_pick(sums[0], sums[1], iscale, scale, best, isc_sel, first)
 
 
-@fused(eager=_qx_candidate_vec)
 def _qx_candidate(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
     """One candidate scale of make_qx_quants, position by position (x, w, wx:
     (n, m); the rest (m,) or 0-dim).  Returns the updated (scale, best, isc_sel):
@@ -141,6 +140,27 @@ def _qx_candidate(x, w, wx, mx, num, nmax, scale, best, isc_sel, first):
     return _qx_pick(sumlx, suml2, iscale, scale, best, isc_sel, first)
 
 
+def _qx_search_vec(x, w, wx, mx, nums, nmax, scale, best, isc_sel, first):
+    """_qx_search step by step over all positions at once (the eager formulation)."""
+    later = torch.zeros_like(first)
+    for c in range(nums.shape[0]):
+        scale, best, isc_sel = _qx_candidate_vec(x, w, wx, mx, nums[c], nmax, scale, best, isc_sel,
+                                                 first if c == 0 else later)
+    return scale, best, isc_sel
+
+
+@fused(eager=_qx_search_vec)
+def _qx_search(x, w, wx, mx, nums, nmax, scale, best, isc_sel, first):
+    """A run of make_qx_quants' candidates (one _qx_candidate per entry of nums, in turn; `first` for the
+    run's first) as one function, so that a kernel reads a group's values once per run: one by one the
+    candidates were memory-bound (Q6_K: 0.09 s of an 8960 x 1536 tensor's 0.24 s)."""
+    later = torch.zeros_like(first)
+    for c in range(nums.shape[0]):
+        scale, best, isc_sel = _qx_candidate(x, w, wx, mx, nums[c], nmax, scale, best, isc_sel,
+                                             first if c == 0 else later)
+    return scale, best, isc_sel
+
+
 def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
     """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=w).  x: (n, m).
     Returns (scale (m,), L (n, m) float32 holding l + nmax, or 0 for all-zero groups)."""
@@ -149,21 +169,25 @@ def _make_qx_quants(x: torch.Tensor, nmax: int, w: torch.Tensor | None):
     if w is None:
         w = x * x
     wx = w * x
-    # candidate numerators: is = 0 (base) then -9..9 without 0
+    # candidate numerators: is = 0 (base) then -9..9 without 0.  The base goes in twice, so that the 19
+    # candidates make 4 runs of 5 for one kernel: the second is a no-op, as a candidate evaluated again
+    # against the state it left (taken or not) leaves it as it is
     iss = torch.tensor([i for i in range(-9, 10) if i != 0], dtype=_F32)
-    nums = torch.cat([torch.tensor([-float(nmax)], dtype=_F32),
+    nums = torch.cat([torch.tensor([-float(nmax)] * 2, dtype=_F32),
                       -(torch.tensor(float(nmax), dtype=_F32) + torch.tensor(0.1, dtype=_F32) * iss)])
     nums = nums.to(x.device)
     nmax_t = torch.tensor(float(nmax), device=x.device)
     state = tuple(torch.zeros_like(mx) for _ in range(3))     # distinct tensors: no aliasing guards
     is_first = (torch.tensor(True, device=x.device), torch.tensor(False, device=x.device))
-    for c in range(nums.shape[0]):
-        state = _qx_candidate(x, w, wx, mx, nums[c], nmax_t, *state, is_first[c > 0])
+    run = max(k for k in range(1, _SEARCH_RUN + 1) if nums.shape[0] % k == 0)     # 20 candidates: 4 runs of 5
+    for c in range(0, nums.shape[0], run):
+        state = _qx_search(x, w, wx, mx, nums[c:c + run], nmax_t, *state, is_first[c > 0])
     scale, _, isc_sel = state
     # the winner's L again (same ops => same values)
-    L = torch.round(x * isc_sel).clamp_(-nmax, nmax - 1) + nmax
-    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    L = torch.mul(x, isc_sel).round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    if bool(zero.any()):
+        L.masked_fill_(zero.unsqueeze(0), 0)
+        scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
 
 
@@ -252,9 +276,10 @@ def _make_q3_quants(x: torch.Tensor, nmax: int):
         if act.numel() == 0:
             break
     scale = torch.where(suml2 > 0, _div(sumlx, suml2), torch.zeros_like(sumlx))
-    L = L + nmax
-    L = torch.where(zero.unsqueeze(0), torch.zeros_like(L), L)
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
+    L = L.add_(nmax)            # in place: L is this function's own
+    if bool(zero.any()):
+        L.masked_fill_(zero.unsqueeze(0), 0)
+        scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
 
 
@@ -727,19 +752,35 @@ def _enc_q3_k(x, qw, ctx):
         sc, L = _make_qx_quants(xs, 4, w)
         d, Ls = _make_qx_quants(sc.view(16, nb), 32, sw)
         s = Ls.to(torch.int32)
-    return _q3_finish(x, d, s, _unsub(L, 256, nb))
+    return _q3_finish(x, d, s, L)
 
 
-# not fused: a kernel ran it no faster than the eager ops (0.11 s against 0.12 s on a 8960 x 1536 tensor)
+def _requantized(x: torch.Tensor, dq: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """clamp(nearest_int(x / dq), lo, hi) - lo as int32 (16, 16, nb), for x (256, nb) and per-16 scales dq
+    (16, nb), in place on one buffer: nearest_int's magic-number bits, then the clamp on the integers.  Lanes
+    where dq is 0 (quotients inf or NaN) are the caller's to replace.  x is finite, so elsewhere a NaN comes
+    only from an fp16 overflow of the scale (inf * 0), the x86 default NaN, whose bits give 0 as C's do (a
+    GPU's canonical NaN would not: there it is mapped to 0 first, as _nearest_int does)."""
+    f = _div(x.view(16, 16, x.shape[1]), dq.unsqueeze(1))
+    if f.device.type != "cpu":
+        f = torch.nan_to_num_(f, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    q = f.add_(_MAGIC).view(torch.int32)
+    return q.bitwise_and_(0x7FFFFF).sub_(0x400000 + lo).clamp_(0, hi - lo)
+
+
+# not fused: as a kernel (Inductor recomputed each code for every byte it went into) it took 4.1 ms on 4096
+# blocks, these ops ~2 ms (2026-12-05)
 def _q3_finish(x, d, s, L):
     """Q3_K after the scale search: re-quantize every value with its block's
-    fp16-rounded scale and pack.  x, L: (256, nb); d: (nb,); s: (16, nb)."""
+    fp16-rounded scale and pack.  x: (256, nb); d: (nb,); s: (16, nb); L: the search's codes as (16, 16 * nb)
+    sub-blocks, kept where a sub-block's scale is 0."""
     nb = x.shape[1]
     dq = _f16r(d).unsqueeze(0) * (s - 32).to(_F32)
-    X = x.view(16, 16, nb)
-    lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -4, 3) + 4
-    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
-    return torch.cat([_pack_q3_codes(L), _pack_q3_scales(s), _f16_bytes(d)])
+    q = _requantized(x, dq, -4, 3)
+    unset = dq == 0
+    if bool(unset.any()):
+        q = torch.where(unset.unsqueeze(1), _unsub(L, 256, nb).view(16, 16, nb).to(torch.int32), q)
+    return torch.cat([_pack_q3_codes(q.view(256, nb)), _pack_q3_scales(s), _f16_bytes(d)])
 
 
 def _pack_k4_scales(ls, lm):
@@ -799,7 +840,7 @@ def _k45_finish(x, d, dmin, ls, lm, L, nmax: int):
 def _pack_k_nibbles(L):
     """(256, nb) -> (128, nb): qs[32c+l] = L[64c+l] | L[64c+32+l] << 4."""
     nb = L.shape[1]
-    v = L.view(4, 2, 32, nb)
+    v = L.to(torch.uint8).view(4, 2, 32, nb)            # codes < 16: the bit work on a quarter of the bytes
     return (v[:, 0] | (v[:, 1] << 4)).reshape(128, nb)
 
 def _pack_5bit_halves(q: torch.Tensor) -> torch.Tensor:
@@ -809,19 +850,23 @@ def _pack_5bit_halves(q: torch.Tensor) -> torch.Tensor:
 
 def _high_bits(hb: torch.Tensor) -> torch.Tensor:
     """(256, nb) 0/1 -> (32, nb): byte l holds bit c of position 32c + l (Q3_K's hmask, Q5_K's qh)."""
-    nb = hb.shape[1]
-    sh = torch.arange(8, device=hb.device, dtype=torch.int32).view(8, 1, 1)
-    return (hb.view(8, 32, nb) << sh).sum(0)
+    v = hb.view(8, 32, hb.shape[1])
+    out = v[0]
+    for c in range(1, 8):       # ors, not a sum: the input's dtype out
+        out = out | (v[c] << c)
+    return out
 
 
 def _pack_q3_codes(L: torch.Tensor) -> torch.Tensor:
     """Q3_K codes (256, nb) 0..7 (value d·(L − 4)) -> (96, nb): hmask (L > 3), then the low 2 bits."""
-    return torch.cat([_high_bits((L > 3).to(torch.int32)), _pack_2bit(L & 3)])
+    u = L.to(torch.uint8)       # the bit work on a quarter of the bytes
+    return torch.cat([_high_bits(u >> 2), _pack_2bit(u & 3)])
 
 
 def _pack_q5_k_codes(L: torch.Tensor) -> torch.Tensor:
     """Q5_K codes (256, nb) 0..31 -> (160, nb): qh (bit 4), then the low nibbles."""
-    return torch.cat([_high_bits((L >> 4) & 1), _pack_k_nibbles(L & 0xF)])
+    u = L.to(torch.uint8)
+    return torch.cat([_high_bits(u >> 4), _pack_k_nibbles(u & 0xF)])
 
 
 def _pack_q6_codes(L: torch.Tensor) -> torch.Tensor:
@@ -850,14 +895,16 @@ def _enc_q6_k(x, qw, ctx):
     nb = x.shape[1]
     xs = _sub(x, 16)
     sc, L = _make_qx_quants(xs, 32, None if qw is None else _sub(qw, 16))
-    return _q6_finish(x, sc.view(16, nb), _unsub(L, 256, nb))
+    return _q6_finish(x, sc.view(16, nb), L)
 
 
-@fused
+# not fused: the kernel recomputed each code for every byte it went into (0.081 s on an 8960 x 1536 tensor
+# against ~0.045 s for these ops, 2026-12-05)
 def _q6_finish(x, scales, L):
     """Q6_K after the per-16 search: quantize the block scales to int8 with the
     largest one at -128, re-quantize every value with its fp16-rounded scale and
-    pack.  x, L: (256, nb); scales: (16, nb)."""
+    pack.  x: (256, nb); scales: (16, nb); L: the search's codes as (16, 16 * nb)
+    sub-blocks, kept where a sub-block's scale is 0."""
     nb = x.shape[1]
     amax, max_scale = _signed_absmax(scales)
     zero = amax < _GROUP_MAX_EPS
@@ -865,11 +912,14 @@ def _q6_finish(x, scales, L):
     d = _recip(iscale)
     s = _i8(_nearest_int(iscale.unsqueeze(0) * scales).clamp(max=127))
     dq = _f16r(d).unsqueeze(0) * s.to(_F32)
-    X = x.view(16, 16, nb)
-    lq = _clampf(_ni(_div(X, dq.unsqueeze(1))), -32, 31) + 32
-    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
-    out = torch.cat([_pack_q6_codes(L), s & 0xFF, _f16_bytes(d)])
-    return torch.where(zero.unsqueeze(0), torch.zeros_like(out), out)
+    q = _requantized(x, dq, -32, 31)
+    unset = dq == 0
+    if bool(unset.any()):
+        q = torch.where(unset.unsqueeze(1), _unsub(L, 256, nb).view(16, 16, nb).to(torch.int32), q)
+    out = torch.cat([_pack_q6_codes(q.view(256, nb)), s & 0xFF, _f16_bytes(d)])
+    if bool(zero.any()):
+        out.masked_fill_(zero.unsqueeze(0), 0)
+    return out
 
 
 def _iq4_weights(x, qw, sbs):
@@ -1107,7 +1157,8 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
     step = max(1, _chunk_elems(dev) // (bs * work))
     for s in range(0, nblocks, step):
         e = min(nblocks, s + step)
-        xb = blocks[s:e].to(_F32).t().contiguous()
+        # transposed in the source dtype, then widened: half the bytes through the strided copy
+        xb = blocks[s:e].t().contiguous().to(_F32)
         qwb = None
         ctx = {}
         if qwb_all is not None:

@@ -39,6 +39,9 @@ def _recip(a: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(a)
 
 
+_MAGIC = 12582912.0        # 1.5 * 2**23: nearest_int's addend
+
+
 def _nearest_int(f: torch.Tensor) -> torch.Tensor:
     """ggml nearest_int: add 1.5*2^23 in float32 and take the mantissa bits (int32)."""
     # NaN here only comes from invalid operations (inf*0, 0/0) in lanes the C
@@ -46,7 +49,7 @@ def _nearest_int(f: torch.Tensor) -> torch.Tensor:
     # which the trick yields 0.  GPUs use another canonical NaN, so map NaN to
     # 0 explicitly (infinities are kept: the trick maps them to -0x400000).
     f = torch.nan_to_num(f, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-    return ((f + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
+    return ((f + _MAGIC).view(torch.int32) & 0x7FFFFF) - 0x400000
 
 
 def _ni(f: torch.Tensor) -> torch.Tensor:
