@@ -40,9 +40,9 @@ pytestmark = [
 
 # which fused functions each type goes through (without an importance matrix)
 _FUSED = {
-    QT.Q2_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_q2_finish"),
+    QT.Q2_K: ("_qkx_init", "_qkx_search", "_qkx_levels"),
     QT.Q3_K: ("_q3_start", "_q3_pass"),
-    QT.Q4_K: ("_qkx_init", "_qkx_search", "_qkx_levels", "_k45_finish"),
+    QT.Q4_K: ("_qkx_init", "_qkx_search", "_qkx_levels"),
     QT.Q6_K: ("_qx_search",),
     QT.IQ4_NL: ("_iq4_candidate",),
     QT.IQ4_XS: ("_iq4_candidate",),

@@ -50,7 +50,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gguf_quants
 
-from .exact import (_div, _recip, _nearest_int, _ni, _clampf, _sqrt, _f16r, _seqsum, _signed_absmax,
+from .exact import (_div, _recip, _nearest_int, _ni, _sqrt, _f16r, _seqsum, _signed_absmax,
     _first_min, _first_max, _pos_max, _cvt_i32, _u8, _i8, _f16_bytes, _sub, _unsub, _lround, _SAFE_ROUND, _MAGIC)
 from .fusion import fused
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
@@ -500,11 +500,12 @@ def _make_qkx_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     la, big = _qkx_levels(x, isc_w, cur_w, nmax_t)
     if bool((big & won).any()):
         la, _ = _qkx_levels_vec(x, isc_w, cur_w, nmax_t, exact=True)
-    L = torch.where(won.unsqueeze(0), la, L)
+    L = torch.where(won.unsqueeze(0), la, L, out=la)        # la is this call's own: no new buffer
     mn_best = cur
-    L = torch.where(degenerate.unsqueeze(0), torch.zeros_like(L), L)
-    scale = torch.where(degenerate, torch.zeros_like(scale), scale)
-    mn_best = torch.where(degenerate, mn, mn_best)
+    if bool(degenerate.any()):
+        L.masked_fill_(degenerate.unsqueeze(0), 0)
+        scale = torch.where(degenerate, torch.zeros_like(scale), scale)
+        mn_best = torch.where(degenerate, mn, mn_best)
     return scale, -mn_best, L
 
 
@@ -706,21 +707,17 @@ def _enc_q2_k(x, qw, ctx):
         d, Ls = _make_qp_quants(sc.view(16, nb), 15, sw)
         dmin, Lm = _make_qp_quants(mins.view(16, nb), 15, sw)
         sbyte = _u8(Ls.to(torch.int32) | (Lm.to(torch.int32) << 4))
-    return _q2_finish(x, d, dmin, sbyte, _unsub(L, 256, nb))
+    return _q2_finish(x, d, dmin, sbyte, L)
 
 
-@fused
 def _q2_finish(x, d, dmin, sbyte, L):
     """Q2_K after the search: re-quantize every value with its block's
-    fp16-rounded scale and min, and pack.  x, L: (256, nb); d, dmin: (nb,);
-    sbyte: (16, nb) scale | min << 4."""
-    nb = x.shape[1]
+    fp16-rounded scale and min, and pack.  x: (256, nb); d, dmin: (nb,);
+    sbyte: (16, nb) scale | min << 4; L: the search's codes as (16, 16 * nb) sub-blocks."""
     dq = _f16r(d).unsqueeze(0) * (sbyte & 0xF).to(_F32)          # (16, nb)
     dm = _f16r(dmin).unsqueeze(0) * (sbyte >> 4).to(_F32)
-    X = x.view(16, 16, nb)
-    lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, 3)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(16, 16, nb)).reshape(256, nb).to(torch.int32)
-    return torch.cat([sbyte, _pack_2bit(L), _f16_bytes(d), _f16_bytes(dmin)])
+    codes = _requantized(x, dq, 0, 3, dm=dm, keep=L).to(torch.uint8)     # the bit work on a quarter of the bytes
+    return torch.cat([sbyte, _pack_2bit(codes), _f16_bytes(d), _f16_bytes(dmin)])
 
 
 def _pack_q3_scales(s):
@@ -755,32 +752,34 @@ def _enc_q3_k(x, qw, ctx):
     return _q3_finish(x, d, s, L)
 
 
-def _requantized(x: torch.Tensor, dq: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """clamp(nearest_int(x / dq), lo, hi) - lo as int32 (16, 16, nb), for x (256, nb) and per-16 scales dq
-    (16, nb), in place on one buffer: nearest_int's magic-number bits, then the clamp on the integers.  Lanes
-    where dq is 0 (quotients inf or NaN) are the caller's to replace.  x is finite, so elsewhere a NaN comes
-    only from an fp16 overflow of the scale (inf * 0), the x86 default NaN, whose bits give 0 as C's do (a
-    GPU's canonical NaN would not: there it is mapped to 0 first, as _nearest_int does)."""
-    f = _div(x.view(16, 16, x.shape[1]), dq.unsqueeze(1))
+def _requantized(x: torch.Tensor, dq: torch.Tensor, lo: int, hi: int, dm: torch.Tensor | None = None,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The K-quants' last step: clamp(nearest_int((x + dm) / dq), lo, hi) - lo as int32 (256, nb) codes, for x
+    (256, nb) and per-sub-block scales dq and minimums dm (g, nb); where dq is 0, the search's codes `keep`
+    ((256 / g, g * nb) sub-blocks, as the search left them) stay.  In place on one buffer: nearest_int's
+    magic-number bits, then the clamp on the integers.  Not fused: as kernels, Inductor recomputed each code for
+    every byte it went into, which made these steps 2x slower than the eager ops (Q4_K's: 0.94 against 0.48 ms
+    on 1024 blocks; Q6_K's 0.081 against ~0.045 s on an 8960 x 1536 tensor, 2026-12-05).  x is finite, so where
+    dq is not 0 a NaN comes only from an fp16 overflow of the scale (inf * 0), the x86 default NaN, whose bits
+    give 0 as C's do (a GPU's canonical NaN would not: there it is mapped to 0 first, as _nearest_int does)."""
+    g, nb = dq.shape
+    X = x.view(g, 256 // g, nb)
+    f = _div(X, dq.unsqueeze(1)) if dm is None else torch.add(X, dm.unsqueeze(1)).div_(dq.unsqueeze(1))
     if f.device.type != "cpu":
         f = torch.nan_to_num_(f, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-    q = f.add_(_MAGIC).view(torch.int32)
-    return q.bitwise_and_(0x7FFFFF).sub_(0x400000 + lo).clamp_(0, hi - lo)
+    q = f.add_(_MAGIC).view(torch.int32).bitwise_and_(0x7FFFFF).sub_(0x400000 + lo).clamp_(0, hi - lo)
+    unset = dq == 0
+    if bool(unset.any()):
+        q = torch.where(unset.unsqueeze(1), _unsub(keep, 256, nb).view(g, 256 // g, nb).to(torch.int32), q)
+    return q.view(256, nb)
 
 
-# not fused: as a kernel (Inductor recomputed each code for every byte it went into) it took 4.1 ms on 4096
-# blocks, these ops ~2 ms (2026-12-05)
 def _q3_finish(x, d, s, L):
     """Q3_K after the scale search: re-quantize every value with its block's
     fp16-rounded scale and pack.  x: (256, nb); d: (nb,); s: (16, nb); L: the search's codes as (16, 16 * nb)
     sub-blocks, kept where a sub-block's scale is 0."""
-    nb = x.shape[1]
     dq = _f16r(d).unsqueeze(0) * (s - 32).to(_F32)
-    q = _requantized(x, dq, -4, 3)
-    unset = dq == 0
-    if bool(unset.any()):
-        q = torch.where(unset.unsqueeze(1), _unsub(L, 256, nb).view(16, 16, nb).to(torch.int32), q)
-    return torch.cat([_pack_q3_codes(q.view(256, nb)), _pack_q3_scales(s), _f16_bytes(d)])
+    return torch.cat([_pack_q3_codes(_requantized(x, dq, -4, 3, keep=L)), _pack_q3_scales(s), _f16_bytes(d)])
 
 
 def _pack_k4_scales(ls, lm):
@@ -819,22 +818,18 @@ def _k45_common(x, qw, nmax, rmin, rdelta, nstep):
         dmin, Lm = _make_qp_quants(mins.view(8, nb), 63, sw)
         ls = Ls.to(torch.int32)
         lm = Lm.to(torch.int32)
-    return _k45_finish(x, d, dmin, ls, lm, _unsub(L, 256, nb), nmax)
+    return _k45_finish(x, d, dmin, ls, lm, L, nmax)
 
 
-@fused
 def _k45_finish(x, d, dmin, ls, lm, L, nmax: int):
     """Q4_K/Q5_K after the search: re-quantize every value with its block's
-    fp16-rounded scale and min.  x, L: (256, nb); d, dmin: (nb,); ls, lm:
-    (8, nb) 6-bit codes.  Returns (the 16 header bytes, L int32 (256, nb))."""
-    nb = x.shape[1]
+    fp16-rounded scale and min.  x: (256, nb); d, dmin: (nb,); ls, lm: (8, nb)
+    6-bit codes; L: the search's codes as (32, 8 * nb) sub-blocks.  Returns
+    (the 16 header bytes, the codes int32 (256, nb))."""
     dq = _f16r(d).unsqueeze(0) * ls.to(_F32)
     dm = _f16r(dmin).unsqueeze(0) * lm.to(_F32)
-    X = x.view(8, 32, nb)
-    lq = _clampf(_ni(_div(X + dm.unsqueeze(1), dq.unsqueeze(1))), 0, nmax)
-    L = torch.where((dq != 0).unsqueeze(1), lq, L.view(8, 32, nb)).reshape(256, nb).to(torch.int32)
     head = torch.cat([_f16_bytes(d), _f16_bytes(dmin), _pack_k4_scales(ls & 0xFF, lm & 0xFF)])
-    return head, L
+    return head, _requantized(x, dq, 0, nmax, dm=dm, keep=L)
 
 
 def _pack_k_nibbles(L):
@@ -898,25 +893,18 @@ def _enc_q6_k(x, qw, ctx):
     return _q6_finish(x, sc.view(16, nb), L)
 
 
-# not fused: the kernel recomputed each code for every byte it went into (0.081 s on an 8960 x 1536 tensor
-# against ~0.045 s for these ops, 2026-12-05)
 def _q6_finish(x, scales, L):
     """Q6_K after the per-16 search: quantize the block scales to int8 with the
     largest one at -128, re-quantize every value with its fp16-rounded scale and
     pack.  x: (256, nb); scales: (16, nb); L: the search's codes as (16, 16 * nb)
     sub-blocks, kept where a sub-block's scale is 0."""
-    nb = x.shape[1]
     amax, max_scale = _signed_absmax(scales)
     zero = amax < _GROUP_MAX_EPS
     iscale = _div(-128.0, max_scale)
     d = _recip(iscale)
     s = _i8(_nearest_int(iscale.unsqueeze(0) * scales).clamp(max=127))
     dq = _f16r(d).unsqueeze(0) * s.to(_F32)
-    q = _requantized(x, dq, -32, 31)
-    unset = dq == 0
-    if bool(unset.any()):
-        q = torch.where(unset.unsqueeze(1), _unsub(L, 256, nb).view(16, 16, nb).to(torch.int32), q)
-    out = torch.cat([_pack_q6_codes(q.view(256, nb)), s & 0xFF, _f16_bytes(d)])
+    out = torch.cat([_pack_q6_codes(_requantized(x, dq, -32, 31, keep=L)), s & 0xFF, _f16_bytes(d)])
     if bool(zero.any()):
         out.masked_fill_(zero.unsqueeze(0), 0)
     return out

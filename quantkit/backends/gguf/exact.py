@@ -72,10 +72,6 @@ def _any_big(bound: torch.Tensor) -> bool:
     return bool((~(bound < _SAFE_ROUND)).any())
 
 
-def _clampf(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    return t.clamp(lo, hi)
-
-
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
     """Correctly rounded float32 sqrt (sqrtf).  torch's CPU float32 sqrt is not
     always correctly rounded, so take a float64 sqrt, round to float32 and fix
