@@ -231,3 +231,24 @@ def test_llama_cpp_activation_rounding():
     # the largest-magnitude value of each 256-block is kept exactly (code -127 times its own scale)
     torch.testing.assert_close(zb.gather(-1, idx), xb.gather(-1, idx))
     assert not torch.equal(z, x)
+
+
+def test_files_of_one_run_equal_files_written_alone(tmp_path, monkeypatch):
+    """Two files of one run share the template's metadata and pack each large array (the vocabulary) once:
+    each file is byte for byte the file a run of its type alone writes."""
+    src = make_checkpoint(tmp_path / "vocab2k", hidden=256, intermediate=256, heads=4, kv_heads=2, layers=1,
+                          vocab=2048, bpe=True)
+    large = []
+    real = gguf.GGUFWriter._pack_val
+
+    def counting(self, val, vtype, add_vtype, sub_type=None):
+        if vtype == gguf.GGUFValueType.ARRAY and len(val) >= 1024:
+            large.append(id(val))
+        return real(self, val, vtype, add_vtype, sub_type)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "_pack_val", counting)
+    together = convert(src, tmp_path / "together", "Q8_0", "Q4_K_M")
+    assert large and len(large) == len(set(large))          # every large array packed once for both files
+    for path in together:
+        alone = convert(src, tmp_path / f"alone-{path.stem}", path.stem.rsplit("-", 1)[-1])[0]
+        assert path.read_bytes() == alone.read_bytes(), path.name
