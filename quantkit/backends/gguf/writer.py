@@ -117,10 +117,9 @@ class _SharedArrays(gguf.GGUFWriter):
         if vtype != gguf.GGUFValueType.ARRAY or not isinstance(val, list) or len(val) < 1024:
             return super()._pack_val(val, vtype, add_vtype, sub_type)
         key = (id(val), add_vtype, sub_type)
-        hit = self._packed.get(key)
-        if hit is None or hit[0] is not val:        # the list itself is kept, so its id is not reused
-            hit = self._packed[key] = (val, super()._pack_val(val, vtype, add_vtype, sub_type))
-        return hit[1]
+        if key not in self._packed:     # the list is kept beside its bytes, so its id cannot be reused meanwhile
+            self._packed[key] = (val, super()._pack_val(val, vtype, add_vtype, sub_type))
+        return self._packed[key][1]
 
 
 def _probe_encoders(tensors: list[GGUFTensor], jobs: list[FileJob], imatrix: dict | None) -> None:
