@@ -167,6 +167,11 @@ def _hub_with_tokens(w: World):
     return {"env": {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(w.tmp / "hf")}}
 
 
+def _wordlevel_tokenizer(w: World):
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(w.model / "tokenizer.json"))
+
+
 def _readonly_folder(w: World):
     """A folder this process cannot write: chmod where that binds (not for root), else a read-only mount."""
     if os.geteuid() != 0:
@@ -210,6 +215,11 @@ ROWS = [
     ("a tensor of the wrong shape", [*CONVERT, *GGUF], _reshape, 3, "shape"),
     ("tokenizer missing", [*CONVERT, "-f", "gguf:Q8_0"],
      lambda w: [p.unlink() for p in w.model.glob("tokenizer*")], 3, "tokenizer"),
+    ("tokenizer.json corrupt", [*CONVERT, "-f", "gguf:Q8_0"],
+     lambda w: (w.model / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": '), 3,
+     "cannot read the tokenizer"),
+    ("tokenizer neither BPE nor SentencePiece", [*CONVERT, "-f", "gguf:Q8_0"], _wordlevel_tokenizer, 3,
+     "'WordLevel' is not supported for GGUF"),
     ("NaN weight", [*CONVERT, *GGUF], _set(float("nan")), 9, f"{LAYER_WEIGHT}: contains NaN or infinite values"),
     ("inf weight, calibrated", [*CONVERT, "-f", "gptq:4bit-g32", *CALIB], _set(float("inf")), 9, f"{LAYER_WEIGHT}: contains NaN or infinite values"),
     # -- GGUF files given to eval / inspect

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_checkpoint, run_cli
 from quantkit import api
-from quantkit.backends.gguf import encoders
+from quantkit.backends.gguf import encoders, writer
 from quantkit.backends.gguf.reader import GGUFModel
 from quantkit.backends.gguf.tensors import permute_qk, unpermute_qk
 from quantkit.errors import OutputError
@@ -239,16 +239,40 @@ def test_files_of_one_run_equal_files_written_alone(tmp_path, monkeypatch):
     src = make_checkpoint(tmp_path / "vocab2k", hidden=256, intermediate=256, heads=4, kv_heads=2, layers=1,
                           vocab=2048, bpe=True)
     large = []
-    real = gguf.GGUFWriter._pack_val
+    real = writer._SharedArrays._pack_list
 
-    def counting(self, val, vtype, add_vtype, sub_type=None):
-        if vtype == gguf.GGUFValueType.ARRAY and len(val) >= 1024:
-            large.append(id(val))
-        return real(self, val, vtype, add_vtype, sub_type)
+    def counting(self, val, sub_type):
+        large.append(id(val))
+        return real(self, val, sub_type)
 
-    monkeypatch.setattr(gguf.GGUFWriter, "_pack_val", counting)
+    monkeypatch.setattr(writer._SharedArrays, "_pack_list", counting)
     together = convert(src, tmp_path / "together", "Q8_0", "Q4_K_M")
     assert large and len(large) == len(set(large))          # every large array packed once for both files
     for path in together:
         alone = convert(src, tmp_path / f"alone-{path.stem}", path.stem.rsplit("-", 1)[-1])[0]
         assert path.read_bytes() == alone.read_bytes(), path.name
+
+
+class _Three(int):      # an int subclass, as gguf.TokenType is
+    pass
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_large_arrays_pack_to_gguf_pys_bytes(endian):
+    """The one-pass packing of large arrays gives gguf-py's bytes, and what gguf-py refuses it refuses."""
+    n = 1500
+    good = [[f"tok{i}\u0120é" for i in range(n)], [f"[PAD{i}]".encode() for i in range(n)],
+            [i - 700 for i in range(n)], [_Three(i % 7) for i in range(n)],
+            [float(i) / 3 for i in range(n)] + [float("nan"), -0.0, float("inf"), 1e-50]]
+    bad = [[1] * n + ["x"], [2 ** 31] * n, [1e300] * n, [True] + [1] * n]
+    ours, theirs = writer._SharedArrays("llama", {}), gguf.GGUFWriter(None, "llama", endianess=endian)
+    ours.endianess = endian
+    for val in good:
+        for add_vtype in (True, False):
+            assert (ours._pack_val(val, gguf.GGUFValueType.ARRAY, add_vtype)
+                    == theirs._pack_val(val, gguf.GGUFValueType.ARRAY, add_vtype))
+    for val in bad:
+        with pytest.raises(Exception) as want:
+            theirs._pack_val(val, gguf.GGUFValueType.ARRAY, True)
+        with pytest.raises(want.type):
+            ours._pack_val(val, gguf.GGUFValueType.ARRAY, True)

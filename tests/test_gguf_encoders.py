@@ -24,6 +24,7 @@ for _p in (_ROOT, _HERE):
 from quantkit.backends.gguf.encoders import SUPPORTED, dequantize, quantize  # noqa: E402
 from quantkit.backends.gguf.grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX  # noqa: E402
 from quantkit.backends.gguf.iq1_encoders import IQ1_ENCODERS  # noqa: E402
+from quantkit.backends.gguf.legacy_rows import ROW_ENCODERS  # noqa: E402
 
 try:  # tests/ may or may not be a package
     from tests import _ggml_ref as ref  # type: ignore  # noqa: E402
@@ -158,6 +159,24 @@ def test_lattice_types_on_a_model_sized_tensor(qtype):
     got = quantize(torch.from_numpy(x), qtype, imatrix=torch.from_numpy(im))
     want = ref.quantize_ref(x, qtype, imatrix=im)
     assert np.array_equal(got, want), _block_mismatch(got, want, qtype)
+
+
+@needs_ref
+@pytest.mark.parametrize("qtype", sorted(ROW_ENCODERS, key=int), ids=lambda t: t.name)
+def test_legacy_types_row_path_and_its_exact_fallback(qtype):
+    """Q4_0 ... Q8_0 without a matrix encode blocks in row layout; blocks with a non-finite value, scale or
+    reciprocal go to the general path.  Both are taken on the edge cases, and both give llama.cpp's bytes."""
+    special = _special_rows(512, 0)
+    blocks = torch.from_numpy(special).reshape(-1, 32)
+    _, unsafe = ROW_ENCODERS[qtype](blocks)
+    per_row = unsafe.view(special.shape[0], -1).any(1).tolist()
+    assert per_row[-1] and not any(per_row[:-1])       # only the subnormal-scale row leaves the row path
+    x = special.copy()
+    x[2, 40], x[3, 100] = np.inf, -np.inf          # (NaN weights never reach an encoder: the writer refuses them)
+    got, want = quantize(torch.from_numpy(x), qtype), ref.quantize_ref(x, qtype)
+    assert np.array_equal(got, want), _block_mismatch(got, want, qtype)
+    normal = torch.from_numpy(CASES[1][1]).to(torch.bfloat16).float().reshape(-1, 32)
+    assert not ROW_ENCODERS[qtype](normal)[1].any()
 
 
 def test_lattice_types_refuse_without_an_importance_matrix():

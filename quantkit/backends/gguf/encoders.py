@@ -55,6 +55,7 @@ from .exact import (_div, _recip, _nearest_int, _ni, _sqrt, _f16r, _seqsum, _sig
 from .fusion import fused
 from .grid_encoders import GRID_ENCODERS, NEEDS_IMATRIX
 from .iq1_encoders import IQ1_ENCODERS
+from .legacy_rows import ROW_ENCODERS
 from .qp_search import make_qp_quants as _make_qp_quants
 
 __all__ = ["quantize", "dequantize", "with_codes", "SUPPORTED", "FUSED_TYPES", "CODE_LAYOUTS"]
@@ -1143,8 +1144,17 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
     qwb_all = qw_rows.view(nbr, bs) if qw_rows is not None else None
     out = torch.empty((nblocks, ts), dtype=torch.uint8, device=dev)
     step = max(1, _chunk_elems(dev) // (bs * work))
+    by_rows = ROW_ENCODERS.get(qtype) if qw_rows is None else None
     for s in range(0, nblocks, step):
         e = min(nblocks, s + step)
+        if by_rows is not None:
+            xr = blocks[s:e].to(_F32)
+            res, unsafe = by_rows(xr)
+            redo = unsafe.nonzero().squeeze(1)
+            if redo.numel():        # non-finite values or scales: the general path's exact C conversions
+                res[redo] = enc(xr[redo].t().contiguous(), None, {}).t().to(torch.uint8)
+            out[s:e] = res
+            continue
         # transposed in the source dtype, then widened: half the bytes through the strided copy
         xb = blocks[s:e].t().contiguous().to(_F32)
         qwb = None

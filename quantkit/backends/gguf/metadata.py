@@ -1,7 +1,6 @@
 """GGUF metadata for a checkpoint: hyper-parameters with the exact types llama.cpp checks, and the tokenizer."""
 from __future__ import annotations
 
-import json
 import math
 from hashlib import sha256
 from pathlib import Path
@@ -145,18 +144,20 @@ def _add_bpe(w: gguf.GGUFWriter, model: Checkpoint, pre_override: str | None) ->
     from tokenizers import Tokenizer
 
     path = model.folder / "tokenizer.json"
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    if spec.get("model", {}).get("type") != "BPE":
-        raise SourceError(f"{model.folder}: tokenizer type {spec.get('model', {}).get('type')!r} is not supported for GGUF "
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:      # the library's own message says what in the file it could not read
+        raise SourceError(f"{path}: cannot read the tokenizer ({str(e).splitlines()[0] if str(e) else e})") from e
+    if type(tok.model).__name__ != "BPE":
+        raise SourceError(f"{model.folder}: tokenizer type {type(tok.model).__name__!r} is not supported for GGUF "
                           f"(byte-level BPE or SentencePiece)")
-    tok = Tokenizer.from_file(str(path))
     pre = pre_override or PRE_BY_HASH.get(sha256(str(tok.encode(PRE_PROBE).ids).encode()).hexdigest())
     if pre is None:
         raise UsageError(f"{model.name}: llama.cpp's pre-tokenizer for this BPE tokenizer is not known to quantkit; "
                          f"name it with --tokenizer-pre (e.g. llama-bpe, qwen2, smollm, gpt-2)")
     vocab = tok.get_vocab(with_added_tokens=True)
     reverse = {i: t for t, i in vocab.items()}
-    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    added = tok.get_added_tokens_decoder()      # what llama.cpp's converter reads from transformers
     n_vocab = model.config.vocab_size
     if max(vocab.values()) >= n_vocab:
         raise SourceError(f"{model.folder}: tokenizer has ids beyond the model's vocab_size {n_vocab}")
@@ -168,9 +169,9 @@ def _add_bpe(w: gguf.GGUFWriter, model: Checkpoint, pre_override: str | None) ->
             continue
         token = reverse[i]
         if i in added:
-            if not added[i].get("normalized", True):  # llama.cpp expects added tokens in normalized form
+            if not added[i].normalized:  # llama.cpp expects added tokens in normalized form
                 token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
-            if added[i].get("special") or _looks_special(token):
+            if added[i].special or _looks_special(token):
                 types.append(gguf.TokenType.CONTROL)
             else:
                 token = token.replace("\u2581", " ")

@@ -7,6 +7,7 @@ every type the files ask for (once per distinct type) and appended to each file.
 from __future__ import annotations
 
 import math
+import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,10 @@ def _encode(src: torch.Tensor, t: GGUFTensor, q: gguf.GGMLQuantizationType,
 
 
 class _SharedArrays(gguf.GGUFWriter):
-    """A GGUFWriter that packs each large metadata array once for all the files of a run: the files share the
-    template's vocabulary lists (tokens, merges, token types), whose item-by-item packing in gguf-py cost
-    ~1.3 s a file for a 150 K vocabulary.  The bytes are gguf-py's own."""
+    """A GGUFWriter that packs each large metadata array once for all the files of a run (the files share the
+    template's vocabulary lists: tokens, merges, token types), and packs arrays of strings, integers and floats
+    in one pass: gguf-py's item-by-item packing cost ~0.3 s per 150 K-item list (0.04 s here).  The bytes are
+    gguf-py's own (tests/test_gguf_convert.py compares them); anything else goes to gguf-py."""
 
     def __init__(self, arch: str, packed: dict):
         super().__init__(None, arch)
@@ -118,8 +120,38 @@ class _SharedArrays(gguf.GGUFWriter):
             return super()._pack_val(val, vtype, add_vtype, sub_type)
         key = (id(val), add_vtype, sub_type)
         if key not in self._packed:     # the list is kept beside its bytes, so its id cannot be reused meanwhile
-            self._packed[key] = (val, super()._pack_val(val, vtype, add_vtype, sub_type))
+            packed = self._pack_list(val, sub_type)
+            if packed is None:
+                packed = super()._pack_val(val, vtype, add_vtype=False, sub_type=sub_type)
+            self._packed[key] = (val, self._pack("I", vtype) + packed if add_vtype else packed)
         return self._packed[key][1]
+
+    def _pack_list(self, val: list, sub_type) -> bytes | None:
+        """gguf-py's bytes of an array's item type, count and items, or None where gguf-py should decide
+        (mixed item types, values its struct packing refuses)."""
+        T = gguf.GGUFValueType
+        ltype = sub_type if sub_type is not None else T.get_type(val[0])
+        order = "<" if self.endianess == gguf.GGUFEndian.LITTLE else ">"
+        head = self._pack("I", ltype) + self._pack("Q", len(val))
+        if ltype == T.STRING and all(isinstance(v, (str, bytes, bytearray)) for v in val):
+            length = struct.Struct(order + "Q").pack
+            out = bytearray(head)
+            for v in val:
+                b = v.encode("utf-8") if isinstance(v, str) else v
+                out += length(len(b))
+                out += b
+            return bytes(out)
+        if ltype == T.INT32 and all(isinstance(v, int) and not isinstance(v, bool) for v in val):
+            a = np.array(val, dtype=np.int64)
+            if a.min() >= -2 ** 31 and a.max() < 2 ** 31:
+                return head + a.astype(order + "i4").tobytes()
+        if ltype == T.FLOAT32 and all(isinstance(v, float) for v in val):
+            a = np.array(val, dtype=np.float64)
+            with np.errstate(over="ignore"):
+                f = a.astype(order + "f4")
+            if np.array_equal(np.isinf(f), np.isinf(a)):   # struct refuses a finite value beyond float32
+                return head + f.tobytes()
+        return None
 
 
 def _probe_encoders(tensors: list[GGUFTensor], jobs: list[FileJob], imatrix: dict | None) -> None:
