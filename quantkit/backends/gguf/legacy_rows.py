@@ -93,13 +93,13 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(xf):
-    amax = torch.maximum(xf.amax(1), -xf.amin(1))
-    amax = torch.where(amax > 0, amax, torch.zeros_like(amax))
+    a = xf.abs()
+    amax = a.amax(1)                                # +0 for an all-zero block (|x| is never -0)
     d = _div(amax, 127.0)
     idd, unsafe = _inverse(d)
-    v = xf * idd.unsqueeze(1)
-    v.add_(torch.where(v < 0, -_BELOW_HALF, _BELOW_HALF)).trunc_()
-    return torch.cat([_f16(d), v.to(torch.int8).view(_U8)], 1), unsafe
+    # roundf(x * id) = sign(x) * trunc(|x| * id + c): id >= 0, and |x * id| is |x| * id exactly
+    a.mul_(idd.unsqueeze(1)).add_(_BELOW_HALF).copysign_(xf)
+    return torch.cat([_f16(d), a.to(torch.int8).view(_U8)], 1), unsafe
 
 
 def _q4_0(xf):
