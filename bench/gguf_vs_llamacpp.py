@@ -412,12 +412,18 @@ def write_results(result: dict, name: str) -> None:
     if kb:
         built_late = [f"{r['model'].split(' (')[0]} {r['type']}" for r in result["rows"]
                       if r.get("kernels_built_during_run")]
+        if kb["kernels"]:
+            built = (f"Here they were built from an empty folder before the timed runs: converting the synthetic "
+                     f"model to {', '.join(kb['types'])} in one run took {kb['first_run_s']} s with the "
+                     f"{kb['kernels']} kernels being built and {kb['second_run_s']} s once they were, so building "
+                     f"cost {kb['build_s']} s, once. The timed runs load them (milliseconds)")
+        else:
+            built = ("Here the kernels quantkit ships covered every fused type, so none was built from the empty "
+                     "folder (a machine that cannot use the shipped set builds its own: "
+                     "bench/results/gguf_cold_start.md)")
         lines.append(f"\nNote: quantkit's fused CPU kernels (AOTInductor, see quantkit/backends/gguf/fusion.py) are built "
-                     f"once per machine. Here they were built from an empty folder before the timed runs: converting "
-                     f"the synthetic model to {', '.join(kb['types'])} in one run took {kb['first_run_s']} s with the "
-                     f"{kb['kernels']} kernels being built and {kb['second_run_s']} s once they were, so building cost "
-                     f"{kb['build_s']} s, once. The timed runs load them (milliseconds); kernels built during a "
-                     f"timed run: {', '.join(built_late) if built_late else 'none'}. Every timed run of either tool "
+                     f"once per machine. {built}; kernels built during a timed run: "
+                     f"{', '.join(built_late) if built_late else 'none'}. Every timed run of either tool "
                      "starts after os.sync(), so that none pays for the previous one's dirty pages.")
     older = [f"{r['model'].split(' (')[0]} {r['type']} ({r['date']})" for r in result["rows"]
              if r.get("date", result["date"]) != result["date"]]
