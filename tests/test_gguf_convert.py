@@ -264,7 +264,7 @@ def test_large_arrays_pack_to_gguf_pys_bytes(endian):
     good = [[f"tok{i}\u0120é" for i in range(n)], [f"[PAD{i}]".encode() for i in range(n)],
             [i - 700 for i in range(n)], [_Three(i % 7) for i in range(n)],
             [float(i) / 3 for i in range(n)] + [float("nan"), -0.0, float("inf"), 1e-50]]
-    bad = [[1] * n + ["x"], [2 ** 31] * n, [1e300] * n, [True] + [1] * n]
+    bad = [[1] * n + ["x"], [2 ** 31] * n, [2 ** 70] * n, [1e300] * n, [True] + [1] * n]
     ours, theirs = writer._SharedArrays("llama", {}), gguf.GGUFWriter(None, "llama", endianess=endian)
     ours.endianess = endian
     for val in good:

@@ -108,7 +108,7 @@ def _encode(src: torch.Tensor, t: GGUFTensor, q: gguf.GGMLQuantizationType,
 class _SharedArrays(gguf.GGUFWriter):
     """A GGUFWriter that packs each large metadata array once for all the files of a run (the files share the
     template's vocabulary lists: tokens, merges, token types), and packs arrays of strings, integers and floats
-    in one pass: gguf-py's item-by-item packing cost ~0.3 s per 150 K-item list (0.04 s here).  The bytes are
+    in one pass: gguf-py's item-by-item packing cost ~0.14 s per 150 K-item list (~0.02 s here).  The bytes are
     gguf-py's own (tests/test_gguf_convert.py compares them); anything else goes to gguf-py."""
 
     def __init__(self, arch: str, packed: dict):
@@ -142,7 +142,10 @@ class _SharedArrays(gguf.GGUFWriter):
                 out += b
             return bytes(out)
         if ltype == T.INT32 and all(isinstance(v, int) and not isinstance(v, bool) for v in val):
-            a = np.array(val, dtype=np.int64)
+            try:
+                a = np.array(val, dtype=np.int64)
+            except OverflowError:
+                return None
             if a.min() >= -2 ** 31 and a.max() < 2 ** 31:
                 return head + a.astype(order + "i4").tobytes()
         if ltype == T.FLOAT32 and all(isinstance(v, float) for v in val):
