@@ -38,7 +38,7 @@ def _first_at_zero(xf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _signed_absmax(xf: torch.Tensor) -> torch.Tensor:
+def _signed_absmax_rows(xf: torch.Tensor) -> torch.Tensor:
     """Per block, the first element with the largest |x| (``if (amax < fabsf(v)) { amax = ...; max = v; }``
     from 0: +0 for an all-zero block)."""
     hi, lo = xf.amax(1), xf.amin(1)
@@ -103,13 +103,13 @@ def _q8_0(xf):
 
 
 def _q4_0(xf):
-    d = _div(_signed_absmax(xf), -8.0)
+    d = _div(_signed_absmax_rows(xf), -8.0)
     idd, unsafe = _inverse(d)
     return torch.cat([_f16(d), _nibbles(_scaled(xf, idd, 8.5, 15.0))], 1), unsafe
 
 
 def _q5_0(xf):
-    d = _div(_signed_absmax(xf), -16.0)
+    d = _div(_signed_absmax_rows(xf), -16.0)
     idd, unsafe = _inverse(d)
     q = _scaled(xf, idd, 16.5, 31.0)
     return torch.cat([_f16(d), _bit4(q), _nibbles(q)], 1), unsafe
