@@ -179,6 +179,23 @@ def test_legacy_types_row_path_and_its_exact_fallback(qtype):
     assert not ROW_ENCODERS[qtype](normal)[1].any()
 
 
+def test_sqrt_is_correctly_rounded_on_both_paths():
+    """sqrtf's bits: the CPU path (numpy's) and the general path (float64 with a midpoint fix, what a GPU runs)
+    agree with each other and with a float64-exact test of the rounding, at the edges as well."""
+    from quantkit.backends.gguf import exact
+    g = torch.Generator().manual_seed(3)
+    v = torch.rand(1 << 16, generator=g) * 10.0 ** torch.randint(-40, 38, (1 << 16,), generator=g).float()
+    edges = torch.tensor([0.0, -0.0, 1e-45, 1.1754942e-38, 1.0, 2.0, 3.4028235e38, float("inf")])
+    v = torch.cat([v, edges, torch.nextafter(v[:64], torch.zeros(64))])
+    got = exact._sqrt(v)
+    general = exact._sqrt(v.to(torch.float64)).to(torch.float32)      # float64 in: the device-neutral path
+    assert torch.equal(got.view(torch.int32), general.view(torch.int32))
+    r, vd = got.double(), v.double()
+    up, dn = torch.nextafter(got, torch.full_like(got, float("inf"))).double(), torch.nextafter(got, torch.zeros_like(got)).double()
+    finite = torch.isfinite(v) & (v > 0)
+    assert not ((vd > ((r + up) / 2) ** 2) & finite).any() and not ((vd < ((r + dn) / 2) ** 2) & finite).any()
+
+
 def test_lattice_types_refuse_without_an_importance_matrix():
     for qtype in NEEDS_IMATRIX:
         with pytest.raises(ValueError, match="importance matrix"):

@@ -1155,8 +1155,9 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType,
                 res[redo] = enc(xr[redo].t().contiguous(), None, {}).t().to(torch.uint8)
             out[s:e] = res
             continue
-        # transposed in the source dtype, then widened: half the bytes through the strided copy
-        xb = blocks[s:e].t().contiguous().to(_F32)
+        # widened, then transposed: torch's blocked transpose of float32 beat the strided copy of bf16
+        # (8960 x 1536 bf16 in chunks of 1024 blocks: 15.7 against 20.1 ms, medians of 15, 2026-12-06)
+        xb = blocks[s:e].to(_F32).t().contiguous()
         qwb = None
         ctx = {}
         if qwb_all is not None:
