@@ -4,6 +4,7 @@ every token; folding a scale into a quantized producer is exact on its codes), a
 folder through the capture pass: files and keys, the folded scales, AWQ against round to nearest, one pass
 for several formats, the dry run, and bad input."""
 import json
+import math
 
 import pytest
 import torch
@@ -217,12 +218,17 @@ MOE = {
 
 
 @pytest.mark.parametrize("family", sorted(MOE))
-def test_mixture_of_experts_balanced_together_keeps_routing_and_beats_round_to_nearest(tmp_path, calib_text, family):
+def test_mixture_of_experts_balanced_together_keeps_routing(tmp_path, calib_text, family):
     """Every expert's gate/up (and the shared expert's) takes one scale, folded into the block's norm; the
     unquantized router (and shared gate) take it on their input columns, so routing is what it was; each
-    expert's down is scaled into its own up; the file reads back and is closer to the model than plain rounding."""
+    expert's down is scaled into its own up; each search's loss is at most the unscaled one's; the file reads
+    back.  Not asserted: a lower end-to-end KLD than plain rounding.  On these 64-wide, 4-expert models a few
+    tokens routed to other experts decide the KLD: on 10 such models (both families; seeds, training steps and
+    calibration samples varied) AWQ's KLD was 0.54-2.9x plain rounding's, and 0.47-2.7x with the experts left
+    unbalanced (2026-12-06, an AMD EPYC; the Intel machines before drew < 1 on this one).  The dense models'
+    tests check that claim."""
     src = make_checkpoint(tmp_path / family, family, train_steps=30, **MOE[family])
-    awq, rtn = convert(src, tmp_path / "out", "4bit-g32", "4bit-g32-rtn", calib=calib_text, calib_samples=8)
+    (awq,) = convert(src, tmp_path / "out", "4bit-g32", calib=calib_text, calib_samples=8)
     info = json.loads((awq / "quantkit.json").read_text())
     base, art = Checkpoint(src), AWQCheckpoint(awq)
     router = "block_sparse_moe.gate" if family == "mixtral" else "mlp.gate"
@@ -245,8 +251,7 @@ def test_mixture_of_experts_balanced_together_keeps_routing_and_beats_round_to_n
         for name in [f"{router}.weight"] + (["mlp.shared_expert_gate.weight"] if family == "qwen2_moe" else []):
             assert torch.allclose(stored[name].float(), source[name].float() * scale, rtol=2e-2, atol=1e-3), name
     ids = base.tokenizer(TINY_TEXT, return_tensors="pt")["input_ids"][:, :128].view(4, 32)
-    kld = {name: evaluate(AWQCheckpoint(f), ids, base=base).mean_kld for name, f in (("awq", awq), ("rtn", rtn))}
-    assert kld["awq"] < kld["rtn"], kld
+    assert math.isfinite(evaluate(AWQCheckpoint(awq), ids, base=base).mean_kld)
     (plan,) = api.plan(str(src), ["awq:4bit-g32"], tmp_path / "plan", {"calib": "x.txt", "device": "cpu"})
     assert any("mixture of experts" in v and "GPTQModel.load" in v for k, v in plan.extra.items() if "note" in k)
     assert plan.resources.own_seconds > 0
