@@ -191,7 +191,8 @@ def test_sqrt_is_correctly_rounded_on_both_paths():
     general = exact._sqrt(v.to(torch.float64)).to(torch.float32)      # float64 in: the device-neutral path
     assert torch.equal(got.view(torch.int32), general.view(torch.int32))
     r, vd = got.double(), v.double()
-    up, dn = torch.nextafter(got, torch.full_like(got, float("inf"))).double(), torch.nextafter(got, torch.zeros_like(got)).double()
+    up = torch.nextafter(got, torch.full_like(got, float("inf"))).double()
+    dn = torch.nextafter(got, torch.zeros_like(got)).double()
     finite = torch.isfinite(v) & (v > 0)
     assert not ((vd > ((r + up) / 2) ** 2) & finite).any() and not ((vd < ((r + dn) / 2) ** 2) & finite).any()
 
