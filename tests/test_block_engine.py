@@ -10,6 +10,7 @@ from quantkit.calibration.jobs import ArtifactJob, LayerJob, PassJob
 from quantkit.eval.harness import window_logits
 from quantkit.model.adapters import supported_model_types
 from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.block import MoE
 from quantkit.model.engine import Runtime, run_block
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -135,6 +136,49 @@ def test_capture_pass_sees_what_transformers_modules_see_with_earlier_groups_rep
             with torch.no_grad():
                 for name in {module_of(lin) for lin in group.linears}:
                     layers[i].get_submodule(name).weight.mul_(0.9)
+
+
+class ReferenceRecorder(Recorder):
+    """A Recorder that asks for the unquantized model's inputs beside its own."""
+    reference = True
+
+    def __init__(self, factor):
+        super().__init__(factor)
+        self.references = {}
+
+    def observe(self, ctx, group, x, reference=None):
+        super().observe(ctx, group, x)
+        self.references.setdefault((ctx.layer, group.linears), []).append(None if reference is None else reference.clone())
+
+
+@pytest.mark.parametrize("key", ["llama", "qwen2_moe"])
+def test_a_reference_job_also_sees_the_unquantized_models_inputs(tmp_path, key):
+    """Its own inputs are those of the model with its weights in place; the reference, for the same tokens, those
+    of the untouched model — except inside a routed MoE block, where the two route tokens differly (None)."""
+    folder = family_checkpoint(tmp_path, key)
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(2))
+    rec = ReferenceRecorder(0.9)
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    hf = hf_model(folder)
+    layers = hf_layers(hf, model)
+    routed = 0
+    for i in range(model.num_layers):
+        for group in model.block(i).groups:
+            refs = rec.references[(i, group.linears)]
+            if any(r is None for r in refs):
+                assert all(r is None for r in refs), "a group is paired for every batch or for none"
+                assert isinstance(model.block(i).residual_of(group).op, MoE)
+                routed += 1
+                continue
+            expected = hf_group_inputs(hf, layers, tokens, i, group.linears[0])
+            torch.testing.assert_close(torch.cat(refs), expected, atol=1e-4, rtol=1e-4, msg=f"{i} {group.linears}")
+    in_moe = sum(len(stage) for i in range(model.num_layers) for sub in model.block(i).residuals
+                 if isinstance(sub.op, MoE) for stage in sub.stages)
+    assert routed == in_moe and (in_moe > 0) == (key == "qwen2_moe")
+    # and the job's own stream did move away from it (its weights were scaled)
+    last = model.num_layers - 1, model.block(model.num_layers - 1).groups[0].linears
+    assert not torch.allclose(torch.cat(rec.seen[last]), torch.cat(rec.references[last]), atol=1e-3)
 
 
 class Folder(PassJob):

@@ -15,7 +15,9 @@ alone — and the layer is walked through its block description (quantkit.model.
         h = h + sub-block(h)                                         (with every group of it quantized)
 
 so each group's inputs are those of a layer whose earlier groups are already quantized, and a layer costs
-about two forward passes.  Matmuls run in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs,
+about two forward passes.  A job with `reference = True` (jobs.py) also gets, for each group outside a routed
+MoE block, the input the UNQUANTIZED model gives the same tokens: the pass carries a second stream for it,
+walked with the source weights beside the job's own (twice the forwards, two streams of memory).  Matmuls run in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs,
 CUDA), the residual stream, norms and every statistic in float32.  Peak memory: one layer's weights, the
 streams (samples × seqlen × hidden float32 each) and one batch's intermediates.
 """
@@ -25,7 +27,7 @@ import torch
 
 from ..errors import QuantizationError
 from ..heap import release_free_memory
-from ..model.block import Block
+from ..model.block import Block, MoE
 from ..model.engine import Runtime, embed, run_residual
 from ..progress import Progress, null_progress
 from .context import LayerContext
@@ -57,24 +59,36 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
     `release_memory`: hand freed pages back after each stage's walk (quantkit.heap); the pre-flight's timing probe
     turns it off, since a run pays it once per stage over all its windows, the probe over a few."""
     h, w, rt, device = ctx.stream, ctx.weights, ctx.runtime, ctx.runtime.device
+    ref, ref_w = ctx.reference, ctx.reference_weights
     spans = ctx.spans()
 
     for sub in ctx.block.residuals:
+        paired = ref is not None and not isinstance(sub.op, MoE)   # routed tokens differ between the two streams
         for index, stage in enumerate(sub.stages):
-            def observe(group, x, stage=stage):  # the run passes earlier stages' inputs too: those are done
-                if group in stage:
-                    job.observe(ctx, group, x)
-
             for sl in spans:
+                refs = {}
+                if paired:
+                    run_residual(sub, ref[sl].to(device), ref_w, rt, stop=index,
+                                 observe=lambda group, x, stage=stage: refs.__setitem__(group, x) if group in stage else None)
+
+                def observe(group, x, stage=stage):  # the run passes earlier stages' inputs too: those are done
+                    if group in stage:
+                        if ref is None:
+                            job.observe(ctx, group, x)
+                        else:
+                            job.observe(ctx, group, x, reference=refs.get(group))
+
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
+                del refs
             if release_memory:
                 release_free_memory()   # the walk's intermediates, before the quantizers allocate (quantkit.heap)
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
-        for sl in spans:
-            hs = h[sl].to(device)
-            h[sl] = (hs + run_residual(sub, hs, w, rt).float()).to(h.device)
+        for stream, weights in ((h, w),) if ref is None else ((h, w), (ref, ref_w)):
+            for sl in spans:
+                hs = stream[sl].to(device)
+                stream[sl] = (hs + run_residual(sub, hs, weights, rt).float()).to(stream.device)
 
 
 def _refuse_non_finite(model, i: int, source: dict[str, torch.Tensor]) -> None:
@@ -82,6 +96,10 @@ def _refuse_non_finite(model, i: int, source: dict[str, torch.Tensor]) -> None:
     for name, t in source.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise QuantizationError(f"{model.adapter.prefix(i)}{name}: contains NaN or infinite values; cannot quantize")
+
+
+def _wants_reference(job) -> bool:
+    return bool(getattr(job, "reference", False))
 
 
 def batch_for(seqlen: int, tokens_per_batch: int = 4096) -> int:
@@ -110,16 +128,18 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
         start = point.layer if point is not None and index == point.pass_index else 0
         if point is None or index >= point.pass_index:
             # Streams stay on the device when it is the CPU, or when they take under a quarter of free GPU memory.
-            stream_bytes = tokens.numel() * cfg.hidden_size * 4 * len(active)
+            stream_bytes = tokens.numel() * cfg.hidden_size * 4 * sum(1 + _wants_reference(j) for j in active)
             home = device
             if device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
                 home = device if stream_bytes < free // 4 else torch.device("cpu")
+            # a job with a reference stream keeps both in one tensor (2, samples, seqlen, hidden): its own, then the
+            # unquantized one; a commit point saves and restores them together
             if start:
                 streams = [saved_streams[j].to(home) for j in active]
             else:
                 first = embed(model, tokens).to(home)
-                streams = [first] + [first.clone() for _ in active[1:]]
+                streams = [torch.stack([first, first]) if _wants_reference(j) else first.clone() for j in active]
                 del first
             label = "calibrate + quantize layers" if passes == 1 else f"pass {index + 1}/{passes}: layers"
             task = progress.task(label, total=model.num_layers)
@@ -129,7 +149,11 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
                 _refuse_non_finite(model, i, source)
                 for job, h in zip(active, streams):
                     ctx = LayerContext(i, block, source, weights=working_weights(block, source, device, compute_dtype),
-                                       stream=h, runtime=rt, batch=batch, pass_index=index)
+                                       stream=h[0] if _wants_reference(job) else h, runtime=rt, batch=batch,
+                                       pass_index=index)
+                    if _wants_reference(job):
+                        ctx.reference = h[1]
+                        ctx.reference_weights = working_weights(block, source, device, compute_dtype)
                     quantize_layer(ctx, job)
                     job.finish_layer(ctx)
                 del source

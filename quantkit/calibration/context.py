@@ -15,7 +15,7 @@ import torch
 from ..errors import UsageError
 from ..model.block import Block, InputGroup, Residual
 from ..model.engine import Runtime, apply_norm, run_residual
-from .stats import HessianAccumulator
+from .stats import HessianAccumulator, ReferenceHessian
 
 
 class LayerContext:
@@ -27,6 +27,9 @@ class LayerContext:
         self.stream, self.runtime, self.batch = stream, runtime, batch
         # producer weights this job replaced (by name); the artifact stores these instead of the source's
         self.replaced: dict[str, torch.Tensor] = {}
+        # for a job with `reference = True`: the unquantized model's stream of the same samples, and its weights
+        self.reference: torch.Tensor | None = None
+        self.reference_weights: dict[str, torch.Tensor] = {}
 
     @property
     def has_data(self) -> bool:
@@ -45,13 +48,23 @@ class LayerContext:
 
     def head_hessian(self, model, device: torch.device) -> torch.Tensor:
         """H of the output head's inputs: the final norm of this (last) layer's output stream, in float32."""
+        return self.head_statistics(model, device).value()
+
+    def head_statistics(self, model, device: torch.device) -> HessianAccumulator:
+        """The accumulated statistics of the output head's inputs (the final norm of this last layer's output
+        stream), with the unquantized model's inputs as the reference when the job has that stream."""
         self._need_data()
         norm = model.pieces.final_norm
         weight = {f"{norm.weight}.weight": model.final_norm_weight().float().to(device)}
-        acc = HessianAccumulator(model.config.hidden_size, device)
+        features = model.config.hidden_size
+        acc = HessianAccumulator(features, device) if self.reference is None else ReferenceHessian(features, device)
         for span in self.spans():
-            acc.add(apply_norm(norm, self.stream[span].to(device).float(), weight))
-        return acc.value()
+            x = apply_norm(norm, self.stream[span].to(device).float(), weight)
+            if self.reference is None:
+                acc.add(x)
+            else:
+                acc.add(x, reference=apply_norm(norm, self.reference[span].to(device).float(), weight))
+        return acc
 
     # --- re-running a sub-block ---------------------------------------------------------------
     def residual_of(self, group: InputGroup) -> Residual:

@@ -49,6 +49,26 @@ class HessianAccumulator:
         return self.H
 
 
+class ReferenceHessian(HessianAccumulator):
+    """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / n with
+    X_ref the same tokens' inputs in the unquantized model: what a quantizer needs to aim at the unquantized
+    model's output, W·x_ref, rather than at W·x (the least-squares target is W + W·D·H⁻¹).  Batches without a
+    reference (a routed expert's) count in H and add nothing to D."""
+
+    def __init__(self, features: int, device: torch.device):
+        super().__init__(features, device)
+        self.D = torch.zeros(features, features, dtype=torch.float32, device=device)
+
+    def add(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        rows = self.rows
+        super().add(x)
+        self.D.mul_(rows / self.rows)
+        if reference is not None:
+            x = x.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32)
+            delta = reference.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32) - x
+            self.D.addmm_(delta.T, x, alpha=1.0 / self.rows)
+
+
 class SquareMeanAccumulator:
     """Per input column, the mean of x² over all tokens: llama.cpp's importance matrix for one linear."""
 
@@ -84,8 +104,8 @@ class GroupStats(dict):
         super().__init__()
         self.accumulator, self.device = accumulator, device
 
-    def add(self, group, x: torch.Tensor) -> None:
+    def add(self, group, x: torch.Tensor, **more) -> None:
         acc = self.get(group.linears)
         if acc is None:
             acc = self[group.linears] = self.accumulator(x.shape[-1], self.device)
-        acc.add(x)
+        acc.add(x, **more)

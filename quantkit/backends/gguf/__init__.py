@@ -161,7 +161,8 @@ class GGUFBackend(Backend):
                 collect = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             if settings.feedback:
-                feedback_pass = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, HessianAccumulator)
+                # two walks per layer: the file's own stream and the unquantized model's (its reference)
+                feedback_pass = 2 * pass_seconds(model, run.calib_samples, run.calib_seqlen, device, HessianAccumulator)
                 feedback_own = _feedback_seconds(model, rows, device)
                 text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text
@@ -173,18 +174,21 @@ class GGUFBackend(Backend):
             r.calibrated, r.shared_ram, r.forward_seconds = True, pass_ram(model, settings.run.calib_seqlen), collect
             r.stream = r.own_ram = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
-        if settings.feedback:   # its own stream and pass; a layer's linears (float32, three copies) and one Hessian
+        if settings.feedback:
+            # its own pass with two streams (its own and the unquantized model's) and a second copy of the layer's
+            # weights for the latter; a layer's linears (float32, three copies), one Hessian and its reference term
             from .feedback_job import HEAD_ROWS, head_tensor
             r = plan.resources
             widest = max(lin.in_features for lin in model.stored_linears[0])
             tallest = max(lin.in_features * lin.out_features for lin in model.stored_linears[0])
+            layer = sum(lin.in_features * lin.out_features for lin in model.stored_linears[0]) * 4
             r.calibrated, r.shared_ram = True, pass_ram(model, settings.run.calib_seqlen)
-            r.stream = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r.stream = 2 * stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             head = model.config.vocab_size * model.config.hidden_size   # read whole, fed back in slices
             # a slice's float32 rows, the feedback's working copies and the block search: ~17 bytes per weight
             # measured on the demo's head (2026-12-05: +216 MB over the pass for its 16384 × 576 slices)
             head_ram = head * 2 + 20 * min(model.config.vocab_size, HEAD_ROWS) * model.config.hidden_size
-            r.own_ram = r.stream + 4 * widest ** 2 * 3 + max(12 * tallest, head_ram)
+            r.own_ram = r.stream + layer + 4 * widest ** 2 * 4 + max(12 * tallest, head_ram)
             r.forward_seconds += feedback_pass
             r.own_seconds += feedback_own
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True

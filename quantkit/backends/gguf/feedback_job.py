@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...calibration.jobs import PassJob
-from ...calibration.stats import GroupStats
+from ...calibration.stats import GroupStats, ReferenceHessian
 from ...errors import OutputError
 from . import encoders, feedback
 from .tensors import gguf_tensors, permute_qk
@@ -34,13 +34,15 @@ def head_tensor(types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
 
 
 class FeedbackEncoder(PassJob):
+    reference = True      # aim at the unquantized model's outputs (feedback.toward_reference)
+
     def __init__(self, model, file_type: str, output: Path, types: dict[str, gguf.GGMLQuantizationType],
                  device: torch.device):
         self.model, self.types, self.device = model, types, device
         self.label = f"gguf:{file_type} error feedback"
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
-        self.stats = GroupStats(device=device)
+        self.stats = GroupStats(ReferenceHessian, device=device)
         self.head = head_tensor(types)
         self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
         self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
@@ -50,8 +52,8 @@ class FeedbackEncoder(PassJob):
         self._mode = "wb"     # a fresh run replaces what a killed one left; a resumed run appends to it
 
     # --- the pass ---------------------------------------------------------------------------------
-    def observe(self, ctx, group, x: torch.Tensor) -> None:
-        self.stats.add(group, x)
+    def observe(self, ctx, group, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        self.stats.add(group, x, reference=reference)
 
     def quantize_group(self, ctx, group) -> dict[str, torch.Tensor]:
         acc = self.stats.pop(group.linears, None)
@@ -73,7 +75,7 @@ class FeedbackEncoder(PassJob):
             parts = [p for stored, _ in members for p in stored.parts]
             W = torch.cat([ctx.source[f"{p}.weight"].to(self.device, torch.float32) for p in parts])
             if qtype in feedback.SUPPORTED:
-                r = feedback.feedback_quantize(W, H, qtype)
+                r = feedback.feedback_quantize(W, H, qtype, reference=acc.D)
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
                                  "damp": r.damp, "loss": r.loss})
@@ -99,12 +101,14 @@ class FeedbackEncoder(PassJob):
             self._quantize_head(ctx)
 
     def _quantize_head(self, ctx) -> None:
-        H = ctx.head_hessian(self.model, self.device)
+        acc = ctx.head_statistics(self.model, self.device)
+        H, D = acc.value(), acc.D if isinstance(acc, ReferenceHessian) else None
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
         loss = 0.0
         for start in range(0, W.shape[0], HEAD_ROWS):
-            r = feedback.feedback_quantize(W[start:start + HEAD_ROWS].to(self.device, torch.float32), H, qtype)
+            r = feedback.feedback_quantize(W[start:start + HEAD_ROWS].to(self.device, torch.float32), H, qtype,
+                                           reference=D)
             if start == 0:
                 self._put(self.head, r.data)
             else:
