@@ -65,11 +65,15 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
     for sub in ctx.block.residuals:
         paired = ref is not None and not isinstance(sub.op, MoE)   # routed tokens differ between the two streams
         for index, stage in enumerate(sub.stages):
+            refs = {}   # this batch's reference inputs by group, emptied after each batch
+
+            def keep(group, x, stage=stage):
+                if group in stage:
+                    refs[group] = x
+
             for sl in spans:
-                refs = {}
                 if paired:
-                    run_residual(sub, ref[sl].to(device), ref_w, rt, stop=index,
-                                 observe=lambda group, x, stage=stage: refs.__setitem__(group, x) if group in stage else None)
+                    run_residual(sub, ref[sl].to(device), ref_w, rt, observe=keep, stop=index)
 
                 def observe(group, x, stage=stage):  # the run passes earlier stages' inputs too: those are done
                     if group in stage:
@@ -79,7 +83,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
                             job.observe(ctx, group, x, reference=refs.get(group))
 
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
-                del refs
+                refs.clear()
             if release_memory:
                 release_free_memory()   # the walk's intermediates, before the quantizers allocate (quantkit.heap)
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
