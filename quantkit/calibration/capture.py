@@ -17,8 +17,9 @@ alone — and the layer is walked through its block description (quantkit.model.
 so each group's inputs are those of a layer whose earlier groups are already quantized, and a layer costs
 about two forward passes.  A job with `reference = True` (jobs.py) also gets, for each group outside a routed
 MoE block, the input the UNQUANTIZED model gives the same tokens: the pass carries a second stream for it,
-walked with the source weights beside the job's own (twice the forwards, two streams of memory).  Matmuls run in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs,
-CUDA), the residual stream, norms and every statistic in float32.  Peak memory: one layer's weights, the
+walked with the source weights beside the job's own (twice the forwards, two streams of memory).  Matmuls run
+in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs, CUDA), the residual stream, norms and every
+statistic in float32.  Peak memory: one layer's weights, the
 streams (samples × seqlen × hidden float32 each) and one batch's intermediates.
 """
 from __future__ import annotations
@@ -71,17 +72,16 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
                 if group in stage:
                     refs[group] = x
 
+            def observe(group, x, stage=stage):  # the run passes earlier stages' inputs too: those are done
+                if group in stage:
+                    if ref is None:
+                        job.observe(ctx, group, x)
+                    else:
+                        job.observe(ctx, group, x, reference=refs.get(group))
+
             for sl in spans:
                 if paired:
                     run_residual(sub, ref[sl].to(device), ref_w, rt, observe=keep, stop=index)
-
-                def observe(group, x, stage=stage):  # the run passes earlier stages' inputs too: those are done
-                    if group in stage:
-                        if ref is None:
-                            job.observe(ctx, group, x)
-                        else:
-                            job.observe(ctx, group, x, reference=refs.get(group))
-
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
                 refs.clear()
             if release_memory:

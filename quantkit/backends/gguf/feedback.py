@@ -33,7 +33,8 @@ column loop runs on W' = W + W·D·H⁻¹ (D = E[(x_ref − x)xᵀ]), the least-
 inputs to the unquantized model's outputs, so the same loop makes Q·x close to W·x_ref: each layer takes back
 what the layers before it lost, where its inputs let it (the asymmetric target of GPTAQ, Li et al. 2025; the
 formula here is the plain least-squares one).  Measured on the demo at Q4_K_M, 128 × 512 calibration tokens,
-wikitext-2 test in llama.cpp: mean KLD 0.0177 against 0.0255 without it (imatrix file 0.0371).
+wikitext-2 test in llama.cpp, same machine: mean KLD 0.0177 against 0.0265 without it (perplexity 29.66 against
+29.82; the imatrix file: 0.0371, 30.03).
 
 The result is an ordinary block of the same type: same file size to the byte, loaded by every llama.cpp.
 """
