@@ -58,12 +58,15 @@ class ReferenceHessian(HessianAccumulator):
     def __init__(self, features: int, device: torch.device):
         super().__init__(features, device)
         self.D = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.paired = False   # until a batch has a reference D is zero and rescaling it is no work to do
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         rows = self.rows
         super().add(x)
-        self.D.mul_(rows / self.rows)
+        if self.paired:
+            self.D.mul_(rows / self.rows)
         if reference is not None:
+            self.paired = True
             x = x.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32)
             delta = reference.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32) - x
             self.D.addmm_(delta.T, x, alpha=1.0 / self.rows)
