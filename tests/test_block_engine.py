@@ -7,6 +7,7 @@ import torch
 from conftest import LLAMA3_ROPE, make_checkpoint
 from quantkit.calibration.capture import run_capture
 from quantkit.calibration.jobs import ArtifactJob, LayerJob, PassJob
+from quantkit.calibration.stats import ReferenceHessian, output_projection
 from quantkit.eval.harness import window_logits
 from quantkit.model.adapters import supported_model_types
 from quantkit.model.checkpoint import Checkpoint
@@ -202,6 +203,29 @@ class Folder(PassJob):
 
     def finish_layer(self, ctx):
         self.outputs.append(ctx.stream.clone())
+
+
+def test_a_projected_reference_hessian_keeps_the_same_w_times_d():
+    """For a group whose inputs are wider than twice its outputs (a down projection) the reference term is kept
+    as W·D (O × K) rather than D (K × K): the same values, batches before the first reference included."""
+    g = torch.Generator().manual_seed(0)
+    K, O = 96, 40
+    W = torch.randn(O, K, generator=g)
+    full, projected = ReferenceHessian(K, "cpu"), ReferenceHessian(K, "cpu")
+    for paired in (False, True, True):
+        x = torch.randn(2, 50, K, generator=g)
+        ref = x + 0.1 * torch.randn(x.shape, generator=g) if paired else None
+        full.add(x, reference=ref)
+        projected.add(x, reference=ref, project=W if paired else None)
+    assert projected.projected and projected.D.shape == (O, K) and full.D.shape == (K, K)
+    assert torch.allclose(projected.H, full.H)
+    rows = torch.arange(10, 30)
+    assert torch.allclose(projected.shift(W[rows], rows), full.shift(W[rows]), rtol=1e-4, atol=1e-5)
+    # the choice: W·D where it is cheaper to keep (2·O < K), D otherwise
+    source = {"down.weight": W, "up.weight": torch.randn(2 * K, K, generator=g)}
+    assert torch.equal(output_projection(source, ("down",), "cpu"), W)
+    assert output_projection(source, ("up",), "cpu") is None and output_projection(source, ("down", "down"), "cpu") is None
+    assert ReferenceHessian(K, "cpu").shift(W) is None
 
 
 def test_a_scale_folded_into_the_producer_leaves_the_layer_output_unchanged(tmp_path):

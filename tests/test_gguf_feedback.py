@@ -45,19 +45,19 @@ def test_feedback_lowers_the_output_error_of_the_importance_matrix_quant(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
     """Inputs that earlier quantized layers disturbed (X) against the unquantized model's (X_ref): with
-    D = E[(x_ref − x)xᵀ] the file's output comes closer to W·x_ref than quantizing W for X alone does."""
+    W·D, D = E[(x_ref − x)xᵀ], the file's output comes closer to W·x_ref than quantizing W for X alone does."""
     W, X_ref = layer(seed=3)
     g = torch.Generator().manual_seed(4)
     X = X_ref @ (torch.eye(X_ref.shape[1]) + 0.05 * torch.randn(X_ref.shape[1], X_ref.shape[1], generator=g)
                  / X_ref.shape[1] ** 0.5) + 0.05 * torch.randn(X_ref.shape, generator=g)
     H, D = X.T @ X / X.shape[0], (X_ref - X).T @ X / X.shape[0]
     error = lambda Wq: float(((X_ref @ W.T - X @ Wq.T) ** 2).mean())
-    plain, aimed = feedback_quantize(W, H, qtype), feedback_quantize(W, H, qtype, reference=D)
+    plain, aimed = feedback_quantize(W, H, qtype), feedback_quantize(W, H, qtype, reference=W @ D)
     assert error(aimed.weight) < 0.8 * error(plain.weight)
     # and it is still an ordinary block of the type, decoded as llama.cpp decodes it
     assert torch.equal(encoders.dequantize(aimed.data, qtype, W.shape), aimed.weight)
     # no disturbance, no change
-    assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(H)).weight, plain.weight)
+    assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(W)).weight, plain.weight)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q3_K, QT.Q6_K, QT.Q4_0, QT.IQ4_XS], ids=lambda q: q.name)

@@ -10,6 +10,7 @@ import torch
 
 from conftest import TINY_TEXT, make_checkpoint, run_cli
 from quantkit import api, preflight
+from quantkit.calibration.stats import ReferenceHessian
 from quantkit.errors import ResourceError
 from quantkit.preflight import Resources, combine
 
@@ -114,14 +115,19 @@ def test_the_pass_is_timed_on_a_real_layer_walk_and_scaled_by_windows_and_layers
     walks = []
     real = capture.quantize_layer
     monkeypatch.setattr(capture, "quantize_layer",
-                        lambda ctx, job, **kw: walks.append(ctx.stream.shape) or real(ctx, job, **kw))
+                        lambda ctx, job, **kw: walks.append((ctx.stream.shape, ctx.reference is not None))
+                        or real(ctx, job, **kw))
     monkeypatch.setattr(preflight, "_pass_probe", {})
     m, cpu = Checkpoint(folder), torch.device("cpu")
     four, eight = preflight.pass_seconds(m, 4, 32, cpu), preflight.pass_seconds(m, 8, 32, cpu)
     # a warm-up window, a batch of the pass's 4096 tokens that pays for its buffers, then that batch again, timed
-    assert walks == [(1, 32, 64), (128, 32, 64), (128, 32, 64)]
-    per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu", None)]
+    assert walks == [((1, 32, 64), False), ((128, 32, 64), False), ((128, 32, 64), False)]
+    per_layer, per_window = preflight._pass_probe[(str(folder), 32, "cpu", None, False)]
     assert four == pytest.approx((per_layer + 4 * per_window) * 2) and eight > four > 0
+    # a job that also walks the unquantized model's stream is timed walking both, with its statistics
+    walks.clear()
+    preflight.pass_seconds(m, 4, 32, cpu, ReferenceHessian, reference=True)
+    assert walks == [((1, 32, 64), True), ((128, 32, 64), True), ((128, 32, 64), True)]
 
 
 def test_estimates_size_the_pass_by_its_largest_layer(tmp_path):

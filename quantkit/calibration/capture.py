@@ -17,7 +17,9 @@ alone — and the layer is walked through its block description (quantkit.model.
 so each group's inputs are those of a layer whose earlier groups are already quantized, and a layer costs
 about two forward passes.  A job with `reference = True` (jobs.py) also gets, for each group outside a routed
 MoE block, the input the UNQUANTIZED model gives the same tokens: the pass carries a second stream for it,
-walked with the source weights beside the job's own (twice the forwards, two streams of memory).  Matmuls run
+walked with the source weights beside the job's own (two streams of memory; since those weights never change,
+the reference's walk to a sub-block's last stage runs on to its end and advances its stream: about 1.5× the
+forwards of one stream).  Matmuls run
 in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs, CUDA), the residual stream, norms and every
 statistic in float32.  Peak memory: one layer's weights, the
 streams (samples × seqlen × hidden float32 each) and one batch's intermediates.
@@ -65,6 +67,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
 
     for sub in ctx.block.residuals:
         paired = ref is not None and not isinstance(sub.op, MoE)   # routed tokens differ between the two streams
+        ref_advanced = False
         for index, stage in enumerate(sub.stages):
             refs = {}   # this batch's reference inputs by group, emptied after each batch
 
@@ -79,8 +82,13 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
                     else:
                         job.observe(ctx, group, x, reference=refs.get(group))
 
+            last = index == len(sub.stages) - 1
             for sl in spans:
-                if paired:
+                if paired and last:   # the reference weights never change: its last walk also advances its stream
+                    rs = ref[sl].to(device)
+                    ref[sl] = (rs + run_residual(sub, rs, ref_w, rt, observe=keep).float()).to(ref.device)
+                    ref_advanced = True
+                elif paired:
                     run_residual(sub, ref[sl].to(device), ref_w, rt, observe=keep, stop=index)
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
                 refs.clear()
@@ -89,7 +97,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
-        for stream, weights in ((h, w),) if ref is None else ((h, w), (ref, ref_w)):
+        for stream, weights in ((h, w),) if ref is None or ref_advanced else ((h, w), (ref, ref_w)):
             for sl in spans:
                 hs = stream[sl].to(device)
                 stream[sl] = (hs + run_residual(sub, hs, weights, rt).float()).to(stream.device)

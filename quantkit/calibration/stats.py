@@ -53,23 +53,53 @@ class ReferenceHessian(HessianAccumulator):
     """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / n with
     X_ref the same tokens' inputs in the unquantized model: what a quantizer needs to aim at the unquantized
     model's output, W·x_ref, rather than at W·x (the least-squares target is W + W·D·H⁻¹).  Batches without a
-    reference (a routed expert's) count in H and add nothing to D."""
+    reference (a routed expert's) count in H and add nothing to D, which stays None until one has.
+
+    With `project` (the group's weights W, O × K, see output_projection) D is kept as W·D (O × K) instead:
+    W·(X_ref − X)ᵀX / n costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
+    (`projected` says which)."""
 
     def __init__(self, features: int, device: torch.device):
         super().__init__(features, device)
-        self.D = torch.zeros(features, features, dtype=torch.float32, device=device)
-        self.paired = False   # until a batch has a reference D is zero and rescaling it is no work to do
+        self.D: torch.Tensor | None = None
+        self.projected = False
 
-    def add(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+    def add(self, x: torch.Tensor, reference: torch.Tensor | None = None,
+            project: torch.Tensor | None = None) -> None:
         rows = self.rows
         super().add(x)
-        if self.paired:
+        if self.D is not None:
             self.D.mul_(rows / self.rows)
         if reference is not None:
-            self.paired = True
-            x = x.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32)
-            delta = reference.reshape(-1, x.shape[-1]).to(self.D.device, torch.float32) - x
+            x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
+            delta = reference.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32) - x
+            if project is not None:
+                delta = delta @ project.to(self.H.device, torch.float32).T
+            if self.D is None:
+                self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.H.device)
+                self.projected = project is not None
+            elif self.projected != (project is not None):
+                raise ValueError("a group's reference batches must all be projected or none")
             self.D.addmm_(delta.T, x, alpha=1.0 / self.rows)
+
+    def shift(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
+        """W·D for weights W (N × K), or None before any reference: with a projected D, its `rows` (those of
+        W among the group's O), else W @ D."""
+        if self.D is None:
+            return None
+        if self.projected:
+            return self.D[rows if rows is not None else slice(None)].to(W.device)
+        return W.float() @ self.D.to(W.device)
+
+
+def output_projection(source: dict[str, torch.Tensor], linears, device) -> torch.Tensor | None:
+    """The stacked source weights (O × K, float32) of a group's linears, for ReferenceHessian's `project`, when
+    keeping W·D is the cheaper (2·O < K: a down projection wider than twice its output); else None."""
+    weights = [source[f"{name}.weight"] for name in linears]
+    rows, features = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    if 2 * rows >= features:
+        return None
+    return torch.cat([w.to(device, torch.float32) for w in weights])
 
 
 class SquareMeanAccumulator:

@@ -13,7 +13,7 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
-from ...calibration.stats import HessianAccumulator, SquareMeanAccumulator
+from ...calibration.stats import ReferenceHessian, SquareMeanAccumulator
 from ...device import resolve_device
 from ...errors import UsageError
 from ...model.checkpoint import Checkpoint
@@ -161,8 +161,9 @@ class GGUFBackend(Backend):
                 collect = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             if settings.feedback:
-                # two walks per layer: the file's own stream and the unquantized model's (its reference)
-                feedback_pass = 2 * pass_seconds(model, run.calib_samples, run.calib_seqlen, device, HessianAccumulator)
+                # two streams: the file's own and the unquantized model's (its reference), as the pass walks them
+                feedback_pass = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, ReferenceHessian,
+                                             reference=True)
                 feedback_own = _feedback_seconds(model, rows, device)
                 text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text

@@ -67,8 +67,11 @@ def block_grid(data: np.ndarray, qtype: GGMLQuantizationType, shape) -> tuple[to
     """(offset, scale), each `shape`: code c of each value decodes to offset + scale · levels[c].  Read back
     through the reference decoder from two code settings, so the grid is the one llama.cpp decodes."""
     levels = encoders.CODE_LAYOUTS[qtype].levels
-    v0 = encoders.dequantize(encoders.with_codes(data, qtype, torch.zeros(shape, dtype=torch.int32)), qtype, shape)
-    v1 = encoders.dequantize(encoders.with_codes(data, qtype, torch.ones(shape, dtype=torch.int32)), qtype, shape)
+    rows = shape[0]
+    codes = torch.zeros((2 * rows, *shape[1:]), dtype=torch.int32)
+    codes[rows:] = 1
+    both = encoders.with_codes(np.concatenate([data, data]), qtype, codes)    # one decode: its calls add up
+    v0, v1 = encoders.dequantize(both, qtype, codes.shape).split(rows)
     scale = (v1 - v0) / float(levels[1] - levels[0])
     return v0 - scale * float(levels[0]), scale
 
@@ -83,10 +86,10 @@ def nearest_codes(w: torch.Tensor, offset: torch.Tensor, inverse: torch.Tensor, 
     return torch.bucketize(t, (levels[1:] + levels[:-1]) / 2).to(t.dtype)
 
 
-def toward_reference(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, damp: float) -> torch.Tensor:
+def toward_reference(W: torch.Tensor, H: torch.Tensor, WD: torch.Tensor, damp: float) -> torch.Tensor:
     """The weights W' minimising Σ‖W·x_ref − W'·x‖² over the calibration tokens, given H = E[xxᵀ] and
-    D = E[(x_ref − x)xᵀ] (calibration.stats.ReferenceHessian): W' = W + W·D·H⁻¹, with H dampened by `damp` × its
-    mean diagonal as the column loop dampens it.  Quantizing W' with the usual H loss then aims at the
+    W·D, D = E[(x_ref − x)xᵀ] (calibration.stats.ReferenceHessian.shift): W' = W + W·D·H⁻¹, with H dampened by
+    `damp` × its mean diagonal as the column loop dampens it.  Quantizing W' with the usual H loss then aims at the
     unquantized model's output: ‖W·X_ref − Q·X‖² = ‖W'·X − Q·X‖² + a term Q does not change."""
     H = H.float().clone()
     diag = H.diagonal()
@@ -94,14 +97,14 @@ def toward_reference(W: torch.Tensor, H: torch.Tensor, D: torch.Tensor, damp: fl
     diag.add_(damp * diag.mean())
     diag[dead] = 1
     L = torch.linalg.cholesky(H)
-    return W + torch.cholesky_solve((W.float() @ D.to(W.device)).T.contiguous(), L.to(W.device)).T
+    return W + torch.cholesky_solve(WD.to(W.device, torch.float32).T.contiguous(), L.to(W.device)).T
 
 
 def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationType,
                       importance: torch.Tensor | None = None, settings: GPTQSettings = GPTQSettings(),
                       reference: torch.Tensor | None = None) -> FeedbackResult:
     """Quantize W (N, K) to `qtype` given H (K, K); `importance` (K,) weights the search (default: diag H,
-    the mean square of each input, which is what llama-imatrix collects).  `reference` (K, K): D of
+    the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D of
     `toward_reference`, to aim at the unquantized model's output instead of W·x."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in SUPPORTED:

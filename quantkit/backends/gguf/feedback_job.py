@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...calibration.jobs import PassJob
-from ...calibration.stats import GroupStats, ReferenceHessian
+from ...calibration.stats import GroupStats, ReferenceHessian, output_projection
 from ...errors import OutputError
 from . import encoders, feedback
 from .tensors import gguf_tensors, permute_qk
@@ -43,6 +43,7 @@ class FeedbackEncoder(PassJob):
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
         self.stats = GroupStats(ReferenceHessian, device=device)
+        self.projections: dict[tuple, torch.Tensor | None] = {}   # input group -> its output_projection
         self.head = head_tensor(types)
         self.index: dict[str, tuple[int, int]] = {}      # GGUF name -> (offset, bytes) in the spill
         self.importance: dict[str, torch.Tensor] = {}    # HF weight name -> mean square of its inputs
@@ -53,10 +54,16 @@ class FeedbackEncoder(PassJob):
 
     # --- the pass ---------------------------------------------------------------------------------
     def observe(self, ctx, group, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
-        self.stats.add(group, x, reference=reference)
+        if reference is None:
+            self.stats.add(group, x)
+            return
+        if group.linears not in self.projections:
+            self.projections[group.linears] = output_projection(ctx.source, group.linears, self.device)
+        self.stats.add(group, x, reference=reference, project=self.projections[group.linears])
 
     def quantize_group(self, ctx, group) -> dict[str, torch.Tensor]:
         acc = self.stats.pop(group.linears, None)
+        self.projections.pop(group.linears, None)
         if acc is None:        # an expert no calibration token reached: the writer encodes it as usual
             return {}
         H = acc.value()
@@ -70,12 +77,17 @@ class FeedbackEncoder(PassJob):
             t = self.by_source.get(f"{stored.name}.weight")
             if t is not None and set(stored.parts) <= set(group.linears):
                 by_type.setdefault(self.types[t.name], []).append((stored, t))
+        first, row = {}, 0                 # each linear's first row among the group's (a projected D's rows)
+        for lin in group.linears:
+            first[lin], row = row, row + ctx.source[f"{lin}.weight"].shape[0]
         new = {}
         for qtype, members in by_type.items():
             parts = [p for stored, _ in members for p in stored.parts]
             W = torch.cat([ctx.source[f"{p}.weight"].to(self.device, torch.float32) for p in parts])
             if qtype in feedback.SUPPORTED:
-                r = feedback.feedback_quantize(W, H, qtype, reference=acc.D)
+                rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
+                                  for p in parts])
+                r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows))
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
                                  "damp": r.damp, "loss": r.loss})
@@ -102,13 +114,14 @@ class FeedbackEncoder(PassJob):
 
     def _quantize_head(self, ctx) -> None:
         acc = ctx.head_statistics(self.model, self.device)
-        H, D = acc.value(), acc.D if isinstance(acc, ReferenceHessian) else None
+        H = acc.value()
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
         loss = 0.0
         for start in range(0, W.shape[0], HEAD_ROWS):
-            r = feedback.feedback_quantize(W[start:start + HEAD_ROWS].to(self.device, torch.float32), H, qtype,
-                                           reference=D)
+            rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
+            shift = acc.shift(rows) if isinstance(acc, ReferenceHessian) else None
+            r = feedback.feedback_quantize(rows, H, qtype, reference=shift)
             if start == 0:
                 self._put(self.head, r.data)
             else:
