@@ -18,8 +18,8 @@ so each group's inputs are those of a layer whose earlier groups are already qua
 about two forward passes.  A job with `reference = True` (jobs.py) also gets, for each group outside a routed
 MoE block, the input the UNQUANTIZED model gives the same tokens: the pass carries a second stream for it,
 walked with the source weights beside the job's own (two streams of memory; since those weights never change,
-the reference's walk to a sub-block's last stage runs on to its end and advances its stream: about 1.5× the
-forwards of one stream).  Matmuls run
+the reference's walk to a sub-block's last stage runs on to its end and advances its stream: one forward where
+the job's own stream takes about 1.6).  Matmuls run
 in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs, CUDA), the residual stream, norms and every
 statistic in float32.  Peak memory: one layer's weights, the
 streams (samples × seqlen × hidden float32 each) and one batch's intermediates.
