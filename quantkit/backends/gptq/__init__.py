@@ -10,8 +10,8 @@ import torch
 from .. import Backend, Plan
 from ..hf_folder import EXPERTS_NOTE, plan_rows
 from ...artifact import model_stem
-from ...calibration.capture import default_compute_dtype
-from ...device import matmul_flops, resolve_device
+from ...calibration.stats import HessianAccumulator
+from ...device import resolve_device
 from ...model.checkpoint import Checkpoint
 from ...options import RunOptions
 from ...preflight import (RUNTIME_BYTES, Resources, layer_column_loop_seconds, folder_disk, held_second_moments,
@@ -173,15 +173,13 @@ def _memory_estimate(model: Checkpoint, samples: int, seqlen: int, rtn: bool) ->
 
 def _time_estimate(model: Checkpoint, samples: int, seqlen: int, s: GPTQSettings, rtn: bool,
                    device: torch.device) -> tuple[float, float]:
-    """(this job's walk of the layers, its forwards; its own work): the Hessians' FLOPs at the matmul throughput
-    probed here, plus the column loop timed here on the layer's largest linear."""
+    """(this job's walk of the layers with its Hessians, timed here on the largest layer; its own work: the column
+    loop timed here on the layer's largest linear).  The Hessians used to be counted as FLOPs at a quarter of the
+    probed matmul rate, which on a machine that computes in float32 anyway came to 2.1x the demo's whole run."""
     loop = _probe_column_loop(model, s, device) * model.num_layers
     if rtn:
         return 0.0, loop / 4
-    flops = matmul_flops(device, default_compute_dtype(device))
-    # X^T X in float32, counted at a quarter of the bf16 rate
-    hessian = 2 * samples * seqlen * (3 * model.config.hidden_size ** 2 + model.config.intermediate_size ** 2) / (flops / 4)
-    return pass_seconds(model, samples, seqlen, device), hessian * model.num_layers + loop
+    return pass_seconds(model, samples, seqlen, device, HessianAccumulator), loop
 
 
 def _probe_column_loop(model: Checkpoint, s: GPTQSettings, device: torch.device) -> float:
