@@ -67,7 +67,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
 
     for sub in ctx.block.residuals:
         paired = ref is not None and not isinstance(sub.op, MoE)   # routed tokens differ between the two streams
-        ref_advanced = False
+        ref_walks_to_end = paired and bool(sub.stages)   # its last stage's walk advances it (below)
         for index, stage in enumerate(sub.stages):
             refs = {}   # this batch's reference inputs by group, emptied after each batch
 
@@ -87,7 +87,6 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
                 if paired and last:   # the reference weights never change: its last walk also advances its stream
                     rs = ref[sl].to(device)
                     ref[sl] = (rs + run_residual(sub, rs, ref_w, rt, observe=keep).float()).to(ref.device)
-                    ref_advanced = True
                 elif paired:
                     run_residual(sub, ref[sl].to(device), ref_w, rt, observe=keep, stop=index)
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
@@ -97,7 +96,7 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
-        for stream, weights in ((h, w),) if ref is None or ref_advanced else ((h, w), (ref, ref_w)):
+        for stream, weights in ((h, w),) if ref is None or ref_walks_to_end else ((h, w), (ref, ref_w)):
             for sl in spans:
                 hs = stream[sl].to(device)
                 stream[sl] = (hs + run_residual(sub, hs, weights, rt).float()).to(stream.device)

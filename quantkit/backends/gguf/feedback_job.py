@@ -10,6 +10,7 @@ file and its index up to the last finished layer; any other failure removes it, 
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from pathlib import Path
 
 import gguf
@@ -77,9 +78,8 @@ class FeedbackEncoder(PassJob):
             t = self.by_source.get(f"{stored.name}.weight")
             if t is not None and set(stored.parts) <= set(group.linears):
                 by_type.setdefault(self.types[t.name], []).append((stored, t))
-        first, row = {}, 0                 # each linear's first row among the group's (a projected D's rows)
-        for lin in group.linears:
-            first[lin], row = row, row + ctx.source[f"{lin}.weight"].shape[0]
+        heights = [ctx.source[f"{lin}.weight"].shape[0] for lin in group.linears]
+        first = dict(zip(group.linears, accumulate(heights, initial=0)))   # rows of a projected D, by linear
         new = {}
         for qtype, members in by_type.items():
             parts = [p for stored, _ in members for p in stored.parts]
