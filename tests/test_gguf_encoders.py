@@ -161,6 +161,58 @@ def test_lattice_types_on_a_model_sized_tensor(qtype):
     assert np.array_equal(got, want), _block_mismatch(got, want, qtype)
 
 
+def _nearest_slowly(tab, u, x, w, s, values):
+    """iq2/iq3_find_best_neighbour written out per group: each candidate of u's list in order, the distance
+    summed position by position in float32, the first strictly smaller one kept."""
+    out = []
+    for k in range(u.numel()):
+        row = int(tab.row_of[u[k]])
+        lst = tab.flat[int(tab.start[row]):int(tab.start[row]) + int(tab.count[row])].tolist()
+        best, pick = np.float32(np.inf), -1
+        for c in lst:
+            lev = tab.levels[c].numpy()
+            q = (2 * lev + 1).astype(np.float32) if values is None else values[lev, k].numpy()
+            d2 = np.float32(0)
+            for i in range(tab.dim):
+                diff = np.float32(s[k].item()) * q[i] - np.float32(x[i, k].item())
+                d2 = np.float32(d2 + np.float32(np.float32(w[i, k].item()) * diff) * diff)
+            if d2 < best:
+                best, pick = d2, c
+        out.append(pick)
+    return out
+
+
+@pytest.mark.parametrize("compile_mode", ["0", "1"], ids=["op by op", "kernel"])
+@pytest.mark.parametrize("qtype", [QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_S],
+                         ids=lambda t: t.name)
+def test_best_neighbour_is_the_first_nearest_candidate_of_the_list(qtype, compile_mode, monkeypatch):
+    """The neighbour search of the lattice types against the C's loop written out: lists longer than a row of
+    the kernel (IQ2_XS: up to 292 candidates), ties (zero weights: every candidate at distance 0, so the first
+    wins), IQ1's per-group level values; op by op and as the fused kernel (which checks itself against the
+    op-by-op function on its first calls)."""
+    from quantkit.backends.gguf.grids import grid_tables
+    from quantkit.backends.gguf.neighbours import _nearest_in_rows, best_neighbour
+    monkeypatch.setenv("QUANTKIT_COMPILE", compile_mode)
+    tab = grid_tables(qtype)
+    g = torch.Generator().manual_seed(int(qtype))
+    listed = (tab.row_of >= 0).nonzero().squeeze(1)
+    n = 300
+    u = listed[torch.randint(len(listed), (n,), generator=g)]
+    x = torch.rand(tab.dim, n, generator=g) * 6
+    w = torch.rand(tab.dim, n, generator=g)
+    w[:, :20] = 0.0                                              # ties throughout the list
+    s = torch.rand(n, generator=g) + 0.5
+    values = None
+    if qtype == QT.IQ1_S:
+        values = torch.tensor([[-1.125, -0.125, 0.875, 0.0]]).t().expand(4, n).clone()
+        values[:, ::2] += 0.25                                   # the other shift on every second group
+    got = best_neighbour(tab, u, x, w, s, values).tolist()
+    assert got == _nearest_slowly(tab, u, x, w, s, values)
+    assert got[:20] == [int(tab.flat[tab.start[tab.row_of[v]]]) for v in u[:20]]
+    if compile_mode == "1" and os.environ.get("QUANTKIT_COMPILE_TESTS", "1") != "0":
+        assert any(_nearest_in_rows.verdict.values()), _nearest_in_rows.verdict
+
+
 @needs_ref
 @pytest.mark.parametrize("qtype", sorted(ROW_ENCODERS, key=int), ids=lambda t: t.name)
 def test_legacy_types_row_path_and_its_exact_fallback(qtype):

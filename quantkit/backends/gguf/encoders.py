@@ -67,9 +67,11 @@ SUPPORTED: frozenset[GGMLQuantizationType] = frozenset({
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.TQ1_0, QT.TQ2_0,
 }) | frozenset(GRID_ENCODERS) | frozenset(IQ1_ENCODERS)
 
-# types whose encoders run fused kernels on the CPU (see fusion.py)
+# types whose encoders run fused kernels on the CPU (see fusion.py; the lattice types' neighbour search:
+# neighbours.py)
 FUSED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-                                                         QT.IQ4_NL, QT.IQ4_XS})
+                                                         QT.IQ4_NL, QT.IQ4_XS}) | frozenset(GRID_ENCODERS) \
+    | frozenset(IQ1_ENCODERS)
 
 _F32 = torch.float32
 _GROUP_MAX_EPS = float(np.float32(1e-15))

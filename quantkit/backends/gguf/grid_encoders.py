@@ -35,9 +35,10 @@ from gguf import GGMLQuantizationType
 
 from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sqrt, _sub
 from .grids import GridTables, grid_tables
+from .neighbours import best_neighbour
 from .qp_search import make_qp_quants
 
-__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "best_neighbour", "importance_weights"]
+__all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "importance_weights"]
 
 QT = GGMLQuantizationType
 _F32 = torch.float32
@@ -69,48 +70,6 @@ _LATTICES = {
 }
 # ggml-quants.c asserts on a missing importance matrix for these
 NEEDS_IMATRIX = frozenset(t for t, p in _LATTICES.items() if p.plain is None) | {QT.IQ1_S}
-
-
-def _nearest_lanes(x, w, s, values, rows, offsets, start, count, flat):
-    """The search: (group, candidate) pairs as lanes over the flat lists (see best_neighbour).
-    x, w: (dim, g); s: (g,); values: (2**bits, g); rows: (g,) each group's list; offsets: (n_grid, dim) each
-    grid point's entries in a group's (dim, 2**bits) table of terms -> grid index (g,)."""
-    dim, g = x.shape
-    n_lev = values.shape[0]
-    count_g = count[rows]
-    pair_group = torch.repeat_interleave(torch.arange(g, device=x.device), count_g)
-    lane = torch.arange(pair_group.numel(), device=x.device)
-    # a lane's place in the flat lists: its list's start + (lane - the group's first lane)
-    cand = flat[(start[rows] - (torch.cumsum(count_g, 0) - count_g))[pair_group] + lane]
-    diff = s.view(g, 1, 1) * values.t().unsqueeze(1) - x.t().unsqueeze(2)                 # (g, dim, levels)
-    terms = (w.t().unsqueeze(2) * diff * diff).reshape(-1)
-    v = torch.take(terms, offsets.index_select(0, cand) + (pair_group * (dim * n_lev)).unsqueeze(1))  # (pairs, dim)
-    d2 = v[:, 0]
-    for i in range(1, dim):
-        d2 = d2 + v[:, i]
-    least = torch.full((g,), float("inf"), device=x.device).scatter_reduce(0, pair_group, d2, "amin")
-    hit = d2 == least[pair_group]
-    first = torch.full((g,), d2.numel(), device=x.device, dtype=torch.int64).scatter_reduce(
-        0, pair_group[hit], lane[hit], "amin")
-    return cand[first]
-
-
-def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor,
-                   scale: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
-    """iq2/iq3_find_best_neighbour (and IQ1's iq1_find_best_neighbour2) for off-grid groups: u (g,), xval /
-    waux (dim, g), scale (g,) -> grid index (g,): the first candidate of u's list with the smallest
-    Σ waux·(scale·q - x)², summed in position order, q the value of the candidate's level (the odd integer
-    2l + 1, or per group `values` (2**bits, g)).
-
-    The lists are ragged (1 to 292 candidates), so every (group, candidate) pair is one lane, its terms taken
-    from a per-group table of waux·(scale·v - x)² for each position and level value: the same float32
-    operations as the C's, once per group rather than once per candidate.  (A fused kernel over the lists
-    padded to the longest was measured at 1.4x on IQ2_XS, for ~15 s of building per chunk shape: not kept.)"""
-    if values is None:
-        odd = torch.arange(1, 2 << tab.bits, 2, device=u.device, dtype=_F32)             # 2l + 1
-        values = odd.unsqueeze(1).expand(-1, u.numel())
-    return _nearest_lanes(xval, waux, scale, values, tab.row_of[u], tab.term_offset, tab.start, tab.count,
-                          tab.flat)
 
 
 def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor):

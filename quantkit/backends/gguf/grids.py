@@ -48,7 +48,7 @@ class GridTables:
     start: torch.Tensor        # (lists,) int64: where each list begins in `flat`
     count: torch.Tensor        # (lists,) int64: its length
     flat: torch.Tensor         # (Σ count,) int64: the candidates (grid indices), list after list
-    term_offset: torch.Tensor  # (n_grid, dim) int64: i·2**bits + l_i, a point's entries in a per-position table
+    packed: torch.Tensor       # (Σ count, 1) int32: the levels of each of `flat`'s candidates, l_i << bits·i
     bits: int
     dim: int
 
@@ -61,7 +61,7 @@ class GridTables:
         if self.levels.device == torch.device(device):
             return self
         return GridTables(*(getattr(self, f).to(device) for f in
-                            ("levels", "index_of", "row_of", "start", "count", "flat", "term_offset")),
+                            ("levels", "index_of", "row_of", "start", "count", "flat", "packed")),
                           self.bits, self.dim)
 
 
@@ -118,9 +118,11 @@ def grid_tables(qtype: GGMLQuantizationType) -> GridTables:
     row_of[wanted] = np.arange(int(wanted.sum()))
     count = (lists >= 0).sum(1)
     start = np.cumsum(count) - count
+    flat = lists[lists >= 0].astype(np.int64)
     return GridTables(levels=torch.from_numpy(levels),
                       index_of=torch.from_numpy(index_of), row_of=torch.from_numpy(row_of),
                       start=torch.from_numpy(start), count=torch.from_numpy(count),
-                      flat=torch.from_numpy(lists[lists >= 0].astype(np.int64)),
-                      term_offset=torch.from_numpy((levels + (np.arange(dim) << bits)[None, :]).astype(np.int64)),
+                      flat=torch.from_numpy(flat),
+                      packed=torch.from_numpy((levels.astype(np.int64) << shifts).sum(1)[flat].astype(np.int32)
+                                              .reshape(-1, 1)),
                       bits=bits, dim=dim)

@@ -26,8 +26,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sub, _unsub
-from .grid_encoders import best_neighbour, importance_weights
+from .grid_encoders import importance_weights
 from .grids import grid_tables
+from .neighbours import best_neighbour
 
 __all__ = ["IQ1_ENCODERS"]
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from . import encoders
+from .grid_encoders import NEEDS_IMATRIX
 
 # every (type, weighted by an importance vector?) a run may encode with fused kernels
-EVERY_KIND = tuple((q, weighted) for q in sorted(encoders.FUSED_TYPES) for weighted in (False, True))
+EVERY_KIND = tuple((q, weighted) for q in sorted(encoders.FUSED_TYPES) for weighted in (False, True)
+                   if weighted or q not in NEEDS_IMATRIX)
 
 
 def encode_samples(kinds) -> None:
