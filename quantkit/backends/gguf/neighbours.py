@@ -8,7 +8,7 @@ its off-grid groups, and the lists hold 1 to 292 candidates: on the lattice type
 quarters of the encoding time.
 
 Run op by op, every (group, candidate) pair streams its terms through memory a dozen times.  Here the lists
-are cut into rows of _ROW candidates (a group with a longer list gets several rows) and one row is searched
+are cut into rows of ROW candidates (a group with a longer list gets several rows) and one row is searched
 position by position, with the candidates' levels packed in one integer each, so that Inductor fuses a whole
 row into one loop that keeps a group's values in registers (fusion.py builds and ships the kernel; measured
 at 2.3 ns per pair against ~30 op by op).  A group's rows are then joined by one segmented minimum whose key
