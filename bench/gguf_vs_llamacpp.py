@@ -335,7 +335,7 @@ def main() -> None:
         return make_imatrix(src, work, args.calib_samples, args.calib_seqlen) if args.lowbit else None
 
     if args.lowbit:
-        # the lattice encoders use no fused kernels of their own (the mixtures' K-quant tensors use the shipped ones)
+        # the lattice types' neighbour search and the mixtures' K-quant tensors use the shipped kernels
         quantize_bin = build_tools() / "llama-quantize"
         result["imatrix"] = {"data": CALIB.name, "samples": args.calib_samples, "seqlen": args.calib_seqlen,
                              "made_by": "quantkit --imatrix --imatrix-out (GGUF), not timed; both tools read it"}

@@ -190,8 +190,11 @@ def test_best_neighbour_is_the_first_nearest_candidate_of_the_list(qtype, compil
     the kernel (IQ2_XS: up to 292 candidates), ties (zero weights: every candidate at distance 0, so the first
     wins), IQ1's per-group level values; op by op and as the fused kernel (which checks itself against the
     op-by-op function on its first calls)."""
+    import shutil
     from quantkit.backends.gguf.grids import grid_tables
     from quantkit.backends.gguf.neighbours import _nearest_in_rows, best_neighbour
+    if compile_mode == "1" and shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: AOTInductor cannot build the kernel here")
     monkeypatch.setenv("QUANTKIT_COMPILE", compile_mode)
     tab = grid_tables(qtype)
     g = torch.Generator().manual_seed(int(qtype))
@@ -209,7 +212,7 @@ def test_best_neighbour_is_the_first_nearest_candidate_of_the_list(qtype, compil
     got = best_neighbour(tab, u, x, w, s, values).tolist()
     assert got == _nearest_slowly(tab, u, x, w, s, values)
     assert got[:20] == [int(tab.flat[tab.start[tab.row_of[v]]]) for v in u[:20]]
-    if compile_mode == "1" and os.environ.get("QUANTKIT_COMPILE_TESTS", "1") != "0":
+    if compile_mode == "1":
         assert any(_nearest_in_rows.verdict.values()), _nearest_in_rows.verdict
 
 

@@ -52,11 +52,8 @@ def _replay(sumqx: torch.Tensor, sumq2: torch.Tensor):
     valid = sumq2 > 0
     qx, q2 = sumqx.double(), sumq2.double()
     score = torch.where(valid, qx * qx / torch.where(valid, q2, torch.ones_like(q2)), torch.full_like(qx, -np.inf))
-    before = torch.empty_like(score)                   # the best score of the candidates before each one
-    running = torch.full_like(score[0], -np.inf)
-    for c in range(C):
-        before[c] = running
-        torch.maximum(running, score[c], out=running)
+    # the best score of the candidates before each one
+    before = torch.cat([torch.full_like(score[:1], -np.inf), torch.cummax(score, 0).values[:-1]])
     possible = valid & (score >= before - 1e-4 * before.abs())
     # each column's possible candidates in order, as rows of `order` (padded with C)
     cand, col = possible.nonzero(as_tuple=True)          # row-major: candidates ascending
