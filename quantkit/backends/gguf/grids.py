@@ -107,7 +107,8 @@ def grid_tables(qtype: GGMLQuantizationType) -> GridTables:
     size = 1 << (bits * dim)
     shifts = bits * np.arange(dim)
     index_of = np.full(size, -1, dtype=np.int32)
-    index_of[(levels.astype(np.int64) << shifts).sum(1)] = np.arange(n_grid, dtype=np.int32)
+    code = (levels.astype(np.int64) << shifts).sum(1)           # each grid point's levels as an index u
+    index_of[code] = np.arange(n_grid, dtype=np.int32)
     # the quantizers clamp levels to the grid's range, so only indices whose levels all lie in it are looked up
     top = int(levels.max())
     all_u = np.arange(size)
@@ -123,6 +124,5 @@ def grid_tables(qtype: GGMLQuantizationType) -> GridTables:
                       index_of=torch.from_numpy(index_of), row_of=torch.from_numpy(row_of),
                       start=torch.from_numpy(start), count=torch.from_numpy(count),
                       flat=torch.from_numpy(flat),
-                      packed=torch.from_numpy((levels.astype(np.int64) << shifts).sum(1)[flat].astype(np.int32)
-                                              .reshape(-1, 1)),
+                      packed=torch.from_numpy(code[flat].astype(np.int32).reshape(-1, 1)),
                       bits=bits, dim=dim)

@@ -29,30 +29,30 @@ ROW = 16                    # candidates per row: the kernel's unrolled loop
 _PLACE_BITS = 9             # a candidate's place in its list (the longest list: 292) in a key's low bits
 
 
-def _row_values(level: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
-    """The value q of level `level`: the odd integer 2l + 1, or the group's own values[l]."""
-    if values is None:
-        return (2 * level + 1).to(_F32)
-    v = values[0]
-    for k in range(1, values.shape[0]):
-        v = torch.where(level == k, values[k], v)
-    return v
+def _distance(p, x, w, s, values, bits: int):
+    """Σ w·(s·q - x)² over the positions in order, q the value of the level that candidate p (packed levels)
+    holds there: the odd integer 2l + 1, or the group's own values[l].  p: (R,) or (places, R)."""
+    d2 = None
+    for i in range(x.shape[0]):
+        level = (p >> (bits * i)) & ((1 << bits) - 1)
+        if values is None:
+            q = (2 * level + 1).to(_F32)
+        else:                               # a select chain, point-wise (a gather would not fuse)
+            q = values[0]
+            for k in range(1, values.shape[0]):
+                q = torch.where(level == k, values[k], q)
+        diff = s * q - x[i]
+        t = w[i] * diff * diff
+        d2 = t if d2 is None else d2 + t
+    return d2
 
 
 def _rows_vec(x, w, s, values, first, left, packed, bits: int):
     """_nearest_in_rows op by op over all ROW places at once (the path without a kernel: CUDA, no compiler)."""
-    dim = x.shape[0]
     place = torch.arange(ROW, device=x.device).unsqueeze(1)
     ok = left.unsqueeze(0) > place                                           # (ROW, R)
     p = packed.view(-1)[torch.where(ok, first.unsqueeze(0) + place, 0)]
-    d2 = None
-    for i in range(dim):
-        level = (p >> (bits * i)) & ((1 << bits) - 1)
-        q = (2 * level + 1).to(_F32) if values is None else values.gather(0, level.long())
-        diff = s * q - x[i]
-        t = w[i] * diff * diff
-        d2 = t if d2 is None else d2 + t
-    d2 = torch.where(ok, d2, torch.tensor(float("inf"), device=x.device))
+    d2 = torch.where(ok, _distance(p, x, w, s, values, bits), torch.tensor(float("inf"), device=x.device))
     at = d2.argmin(0)                                                        # the first of equal minima
     return d2.gather(0, at.unsqueeze(0)).squeeze(0), at
 
@@ -63,16 +63,10 @@ def _nearest_in_rows(x, w, s, values, first, left, packed, bits: int):
     (levels, R) the level values or None (odd integers); first (R,) the row's first entry of the flat lists;
     left (R,) how many of its list's candidates are left from there (>= 1); packed (entries, 1) each listed
     candidate's levels, `bits` each -> (least distance (R,), its first place in the row (R,))."""
-    dim = x.shape[0]
     best = at = None
     for j in range(ROW):
         ok = left > j
-        p = packed.view(-1)[torch.where(ok, first + j, 0)]
-        d2 = None
-        for i in range(dim):
-            diff = s * _row_values((p >> (bits * i)) & ((1 << bits) - 1), values) - x[i]
-            t = w[i] * diff * diff
-            d2 = t if d2 is None else d2 + t
+        d2 = _distance(packed.view(-1)[torch.where(ok, first + j, 0)], x, w, s, values, bits)
         if best is None:                    # every row has its first candidate
             best, at = d2, torch.zeros_like(first)
         else:
