@@ -216,6 +216,66 @@ def test_best_neighbour_is_the_first_nearest_candidate_of_the_list(qtype, compil
         assert any(_nearest_in_rows.verdict.values()), _nearest_in_rows.verdict
 
 
+def _pick_slowly(a, b):
+    """IQ1's running pick as the C makes it, every candidate in order (float32, columns side by side)."""
+    a, b = a.numpy(), b.numpy()
+    best = np.full(a.shape[1], -np.finfo(np.float32).max, dtype=np.float32)
+    scale = np.zeros(a.shape[1], dtype=np.float32)
+    chosen = np.full(a.shape[1], -1)
+    with np.errstate(all="ignore"):
+        for c in range(a.shape[0]):
+            take = (b[c] > 0) & (a[c] * a[c] > best * b[c])
+            scale = np.where(take, a[c] / b[c], scale)
+            best = np.where(take, scale * a[c], best)
+            chosen = np.where(take, c, chosen)
+    return chosen, scale
+
+
+def _split_sums(kind: str, m: int, g: torch.Generator) -> torch.Tensor:
+    """Prefix sums of sub-blocks (sorted values, importance weights) with the columns that make the pick hard:
+    zero weights (candidates with equal sums: exact ties), equal values (a dense top of near-equal keys), an
+    all-zero sub-block (every key 0) and one with no weight at all (no candidate)."""
+    n = 32 if kind == "s" else 16
+    x = torch.sort(torch.randn(n, m, generator=g), 0).values
+    w = torch.rand(n, m, generator=g)
+    w[:, 1::5] *= torch.rand(n, m, generator=g)[:, 1::5] < 0.5
+    x[:, 2::5] = torch.where(torch.rand(n, m, generator=g)[:, 2::5] < 0.5, 0.25, -0.25)
+    x[:, 3::5] = x[:, 3::5].sort(0).values.round(decimals=1)
+    x[:, 0], w[:, 4] = 0.0, 0.0
+    zero = torch.zeros(1, m)
+    if kind == "s":
+        return torch.stack([torch.cat([zero, (w * x).cumsum(0)]), torch.cat([zero, w.cumsum(0)])])
+    half = torch.rand(n, m, generator=g) < 0.5                       # which group of 8 each sorted value is in
+    sums = [torch.cat([zero, torch.where(half == h, t, 0).cumsum(0)]) for t in (w * x, w) for h in (False, True)]
+    return torch.stack(sums)
+
+
+@pytest.mark.parametrize("compile_mode", ["0", "1"], ids=["op by op", "kernel"])
+@pytest.mark.parametrize("kind", ["s", "m"], ids=["IQ1_S", "IQ1_M"])
+def test_iq1_split_pick_keeps_the_candidate_the_c_loop_keeps(kind, compile_mode, monkeypatch):
+    """The exact split search's pick (thresholds above a gap, then the path of kept candidates) against the C's
+    loop over every candidate, on sub-blocks with exact ties, dense tops, all-zero values and no weight; both the
+    kernels' thresholds and the sorted fallback (_slow, run here on every sub-block) must agree with it."""
+    import shutil
+    from quantkit.backends.gguf import iq1_splits
+    if compile_mode == "1" and shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: AOTInductor cannot build the kernels here")
+    monkeypatch.setenv("QUANTKIT_COMPILE", compile_mode)
+    P = _split_sums(kind, 640, torch.Generator().manual_seed(11))
+    a, b, _ = iq1_splits._all_sums(P, kind)
+    want_c, want_s = _pick_slowly(a, b)
+    got_c, got_s = iq1_splits.pick(P, kind)
+    assert got_c.tolist() == want_c.tolist()
+    assert np.array_equal(got_s.numpy().view(np.int32), want_s.view(np.int32))
+    assert want_c[4] == -1 and want_c[0] >= 0                       # no weight: no candidate; all zero: the first
+    slow_c, slow_s = iq1_splits._slow(P, kind, a.shape[0])
+    assert slow_c.tolist() == want_c.tolist()
+    assert np.array_equal(slow_s.numpy().view(np.int32), want_s.view(np.int32))
+    if compile_mode == "1":
+        assert all(f.verdict and all(f.verdict.values()) for f in
+                   (iq1_splits._best_key, iq1_splits._counts, iq1_splits._above))
+
+
 @needs_ref
 @pytest.mark.parametrize("qtype", sorted(ROW_ENCODERS, key=int), ids=lambda t: t.name)
 def test_legacy_types_row_path_and_its_exact_fallback(qtype):

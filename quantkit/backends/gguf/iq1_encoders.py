@@ -21,61 +21,19 @@ index order, like glibc's merge-sort qsort.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sub, _unsub
 from .grid_encoders import importance_weights
 from .grids import grid_tables
+from .iq1_splits import X_M as _X_M, X_P as _X_P, pick, unravel
 from .neighbours import best_neighbour
 
 __all__ = ["IQ1_ENCODERS"]
 
 QT = GGMLQuantizationType
 _F32 = torch.float32
-_DELTA = 0.125
-_X_P = (-1 + _DELTA, _DELTA, 1 + _DELTA)      # exact in float32
-_X_M = (-1 - _DELTA, -_DELTA, 1 - _DELTA)
-
-
-def _splits(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """All cut pairs (i1, i2), 0 <= i1 <= i2 <= n, in llama.cpp's loop order."""
-    i1, i2 = torch.triu_indices(n + 1, n + 1, device=device)
-    return i1, i2
-
-
-def _replay(sumqx: torch.Tensor, sumq2: torch.Tensor):
-    """llama.cpp's running pick over candidates (C, m) in order: a candidate with Σwq² > 0 and
-    (Σwxq)² > best·Σwq² sets scale = Σwxq / Σwq², best = scale·Σwxq.  -> (chosen candidate or -1, scale)."""
-    C, m = sumqx.shape
-    valid = sumq2 > 0
-    qx, q2 = sumqx.double(), sumq2.double()
-    score = torch.where(valid, qx * qx / torch.where(valid, q2, torch.ones_like(q2)), torch.full_like(qx, -np.inf))
-    # the best score of the candidates before each one
-    before = torch.cat([torch.full_like(score[:1], -np.inf), torch.cummax(score, 0).values[:-1]])
-    possible = valid & (score >= before - 1e-4 * before.abs())
-    # each column's possible candidates in order, as rows of `order` (padded with C)
-    cand, col = possible.nonzero(as_tuple=True)          # row-major: candidates ascending
-    keep = torch.argsort(col, stable=True)
-    cand, col = cand[keep], col[keep]
-    counts = torch.bincount(col, minlength=m)
-    rank = torch.arange(col.numel(), device=col.device) - (torch.cumsum(counts, 0) - counts)[col]
-    order = torch.full((int(counts.max().item()) if col.numel() else 0, m), C, dtype=torch.int64,
-                       device=sumqx.device)
-    order[rank, col] = cand
-    chosen = torch.full((m,), -1, dtype=torch.int64, device=sumqx.device)
-    scale = torch.zeros(m, dtype=_F32, device=sumqx.device)
-    best = torch.full((m,), -float(np.finfo(np.float32).max), dtype=_F32, device=sumqx.device)
-    for row in order:
-        ok = row < C
-        c = row.clamp(max=C - 1).unsqueeze(0)
-        a, b = sumqx.gather(0, c).squeeze(0), sumq2.gather(0, c).squeeze(0)
-        take = ok & (b > 0) & (a * a > best * b)
-        scale = torch.where(take, _div(a, b), scale)
-        best = torch.where(take, scale * a, best)
-        chosen = torch.where(take, row, chosen)
-    return chosen, scale
 
 
 def _levels_from_split(idx: torch.Tensor, i1: torch.Tensor, i2: torch.Tensor) -> torch.Tensor:
@@ -157,21 +115,11 @@ def _enc_iq1_s(x, qw, ctx):
     tab, w, xs, active = _subblocks(x, qw, QT.IQ1_S, 32, 1e-12)       # (32, m), m = 8·nb
     m = xs.shape[1]
     idx, sx, sw = _sorted_prefix(xs, w)
-    i1, i2 = _splits(32, dev)
-    cand_qx, cand_q2 = [], []
-    for xv in (_X_P, _X_M):
-        a, b, c = sx[i1] - sx[0], sx[i2] - sx[i1], sx[32] - sx[i2]
-        aw, bw, cw = sw[i1] - sw[0], sw[i2] - sw[i1], sw[32] - sw[i2]
-        cand_qx.append(a * xv[0] + b * xv[1] + c * xv[2])
-        cand_q2.append(aw * xv[0] * xv[0] + bw * xv[1] * xv[1] + cw * xv[2] * xv[2])
-    # llama.cpp tries x_p then x_m for each split
-    sumqx = torch.stack(cand_qx, 1).reshape(-1, m)
-    sumq2 = torch.stack(cand_q2, 1).reshape(-1, m)
-    chosen, scale = _replay(sumqx, sumq2)
+    chosen, scale = pick(torch.stack([sx, sw]), "s")
     active &= chosen >= 0
-    pair = chosen.clamp(min=0) // 2
-    L, scale, flipped = _placed(idx, i1[pair], i2[pair], scale)
-    shift_p = (chosen % 2 == 0) ^ flipped
+    i1, i2, k = unravel(chosen.clamp(min=0), 33, "s")
+    L, scale, flipped = _placed(idx, i1, i2, scale)
+    shift_p = (k == 0) ^ flipped
     gi, scale = _on_grid(L, xs, w, scale, shift_p.unsqueeze(0).expand(4, m), tab, active)
     shift_p = shift_p | ~active                                       # skipped sub-blocks keep shift +1
 
@@ -208,27 +156,10 @@ def _enc_iq1_m(x, qw, ctx):
             pw[h].append(torch.where(mine, pw[h][-1] + ws[j], pw[h][-1]))
     px = [torch.stack(p) for p in px]
     pw = [torch.stack(p) for p in pw]
-    p2, m2 = _X_P[2], _X_M[2]
-    cp1 = _f32(np.float32(_X_P[0]) * np.float32(_X_P[0]) - np.float32(_X_P[1]) * np.float32(_X_P[1]))
-    cp2 = _f32(np.float32(_X_P[1]) * np.float32(_X_P[1]) - np.float32(_X_P[2]) * np.float32(_X_P[2]))
-    cm1 = _f32(np.float32(_X_M[0]) * np.float32(_X_M[0]) - np.float32(_X_M[1]) * np.float32(_X_M[1]))
-    cm2 = _f32(np.float32(_X_M[1]) * np.float32(_X_M[1]) - np.float32(_X_M[2]) * np.float32(_X_M[2]))
-    i1, i2 = _splits(16, dev)
-    qxp, qxm, q2p, q2m = [], [], [], []
-    for h in range(2):
-        sx = px[h][i1] + px[h][i2]
-        txs, tws = px[h][16].unsqueeze(0), pw[h][16].unsqueeze(0)
-        qxp.append(txs * p2 - sx)
-        qxm.append(txs * m2 - sx)
-        q2p.append(tws * p2 * p2 + pw[h][i1] * cp1 + pw[h][i2] * cp2)
-        q2m.append(tws * m2 * m2 + pw[h][i1] * cm1 + pw[h][i2] * cm2)
-    # k = 0: (+, +), 1: (+, -), 2: (-, +), 3: (-, -) for the two groups; llama.cpp tries k in order per split
-    sumqx = torch.stack([qxp[0] + qxp[1], qxp[0] + qxm[1], qxm[0] + qxp[1], qxm[0] + qxm[1]], 1).reshape(-1, m)
-    sumq2 = torch.stack([q2p[0] + q2p[1], q2p[0] + q2m[1], q2m[0] + q2p[1], q2m[0] + q2m[1]], 1).reshape(-1, m)
-    chosen, scale = _replay(sumqx, sumq2)
+    chosen, scale = pick(torch.stack(px + pw), "m")
     active &= chosen >= 0
-    pair, k = chosen.clamp(min=0) // 4, chosen.clamp(min=0) % 4
-    L, scale, flipped = _placed(idx, i1[pair], i2[pair], scale)
+    i1, i2, k = unravel(chosen.clamp(min=0), 17, "m")
+    L, scale, flipped = _placed(idx, i1, i2, scale)
     k = torch.where(flipped, 3 - k, k)
     gi, scale = _on_grid(L, xs, w, scale, torch.stack([k < 2, k % 2 == 0]), tab, active)   # shifts of 2 groups
     k = k.masked_fill(~active, 0)
