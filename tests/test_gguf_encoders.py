@@ -234,7 +234,8 @@ def _pick_slowly(a, b):
 def _split_sums(kind: str, m: int, g: torch.Generator) -> torch.Tensor:
     """Prefix sums of sub-blocks (sorted values, importance weights) with the columns that make the pick hard:
     zero weights (candidates with equal sums: exact ties), equal values (a dense top of near-equal keys), an
-    all-zero sub-block (every key 0) and one with no weight at all (no candidate)."""
+    all-zero sub-block (every key 0), one with no weight at all (no candidate) and tiny values (a·a and the C's
+    other product near float32's subnormal range, where their rounding is absolute)."""
     n = 32 if kind == "s" else 16
     x = torch.sort(torch.randn(n, m, generator=g), 0).values
     w = torch.rand(n, m, generator=g)
@@ -242,6 +243,7 @@ def _split_sums(kind: str, m: int, g: torch.Generator) -> torch.Tensor:
     x[:, 2::5] = torch.where(torch.rand(n, m, generator=g)[:, 2::5] < 0.5, 0.25, -0.25)
     x[:, 3::5] = x[:, 3::5].sort(0).values.round(decimals=1)
     x[:, 0], w[:, 4] = 0.0, 0.0
+    x[:, 5], x[:, 10], x[:, 15] = x[:, 5] * 1e-19, x[:, 10] * 3e-20, x[:, 15] * 1e-21
     zero = torch.zeros(1, m)
     if kind == "s":
         return torch.stack([torch.cat([zero, (w * x).cumsum(0)]), torch.cat([zero, w.cumsum(0)])])

@@ -13,10 +13,9 @@ Both store each group of 8 weights as a point of a 2048-point grid of the three 
 4. 3-bit sub-block scales under a fp16 super-block scale (IQ1_S: d = max/15 stored ×1.125; IQ1_M: d refitted
    by least squares on the final codes, stored ×1.1125 in the top nibbles of the four scale words).
 
-Step 2's order matters only at near-ties, and those are rare: the float64 score of every candidate is
-computed at once, and only the candidates within 1e-4 of the best score before them (which a float32
-comparison could accept) are replayed in order with llama.cpp's float32 test.  The sort keeps equal values in
-index order, like glibc's merge-sort qsort.
+Step 2 runs in iq1_splits.py: of the 1122 (IQ1_S) or 612 (IQ1_M) candidates of a sub-block, only the few near
+the best score are replayed in llama.cpp's order with its float32 test, and which few that must be is found by
+fused passes over all of them.  The sort keeps equal values in index order, like glibc's merge-sort qsort.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from gguf import GGMLQuantizationType
 from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sub, _unsub
 from .grid_encoders import importance_weights
 from .grids import grid_tables
-from .iq1_splits import X_M as _X_M, X_P as _X_P, pick, unravel
+from .iq1_splits import X_M as _X_M, X_P as _X_P, pick, prefix_sums, unravel
 from .neighbours import best_neighbour
 
 __all__ = ["IQ1_ENCODERS"]
@@ -75,17 +74,11 @@ def _refit(gi, x, w, shift_p, tab, scale):
     return torch.where((sumqx > 0) & (sumq2 > 0), _div(sumqx, sumq2), scale)
 
 
-def _sorted_prefix(xs, w):
-    """Values sorted (stable), their order, and the running sums of w·x and w over them (sequential)."""
+def _sorted_prefix(xs, w, groups: bool):
+    """Values sorted (stable; equal ones in index order, like glibc's merge-sort qsort), their order, and the
+    prefix sums the split search runs on (iq1_splits.prefix_sums; groups: those of each group of 8)."""
     vals, idx = torch.sort(xs, dim=0, stable=True)
-    ws = w.gather(0, idx)
-    n, m = xs.shape
-    sx = [torch.zeros(m, dtype=_F32, device=xs.device)]
-    sw = [torch.zeros(m, dtype=_F32, device=xs.device)]
-    for j in range(n):
-        sx.append(sx[-1] + ws[j] * vals[j])
-        sw.append(sw[-1] + ws[j])
-    return idx, torch.stack(sx), torch.stack(sw)
+    return idx, prefix_sums(vals, w.gather(0, idx), (idx >= 8) if groups else None)
 
 
 def _subblocks(x, qw, qtype, sub: int, eps: float):
@@ -114,8 +107,8 @@ def _enc_iq1_s(x, qw, ctx):
     dev = x.device
     tab, w, xs, active = _subblocks(x, qw, QT.IQ1_S, 32, 1e-12)       # (32, m), m = 8·nb
     m = xs.shape[1]
-    idx, sx, sw = _sorted_prefix(xs, w)
-    chosen, scale = pick(torch.stack([sx, sw]), "s")
+    idx, P = _sorted_prefix(xs, w, False)
+    chosen, scale = pick(P, "s")
     active &= chosen >= 0
     i1, i2, k = unravel(chosen.clamp(min=0), 33, "s")
     L, scale, flipped = _placed(idx, i1, i2, scale)
@@ -143,20 +136,8 @@ def _enc_iq1_m(x, qw, ctx):
     nb = x.shape[1]
     dev = x.device
     tab, w, xs, active = _subblocks(x, qw, QT.IQ1_M, 16, 1e-7)        # (16, m), m = 16·nb
-    m = xs.shape[1]
-    vals, idx = torch.sort(xs, dim=0, stable=True)
-    ws = w.gather(0, idx)
-    half = (idx >= 8)                                                 # which group of 8 each sorted value is in
-    px = [[torch.zeros(m, dtype=_F32, device=dev)] for _ in range(2)]
-    pw = [[torch.zeros(m, dtype=_F32, device=dev)] for _ in range(2)]
-    for j in range(16):
-        for h in range(2):
-            mine = half[j] == bool(h)
-            px[h].append(torch.where(mine, px[h][-1] + ws[j] * vals[j], px[h][-1]))
-            pw[h].append(torch.where(mine, pw[h][-1] + ws[j], pw[h][-1]))
-    px = [torch.stack(p) for p in px]
-    pw = [torch.stack(p) for p in pw]
-    chosen, scale = pick(torch.stack(px + pw), "m")
+    idx, P = _sorted_prefix(xs, w, True)
+    chosen, scale = pick(P, "m")
     active &= chosen >= 0
     i1, i2, k = unravel(chosen.clamp(min=0), 17, "m")
     L, scale, flipped = _placed(idx, i1, i2, scale)

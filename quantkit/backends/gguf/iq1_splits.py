@@ -33,9 +33,13 @@ from .fusion import fused
 __all__ = ["pick", "unravel"]
 
 _F32 = torch.float32
-DELTA = 2e-6
+DELTA = 1e-6
 EPSILONS = (0.0, 3e-6, 1e-5, 3e-5, 1e-4, 1e-3)
 CAP = 16
+# the keys decide only where the C's products are normal numbers (in the subnormal range their rounding is
+# absolute and can outweigh DELTA): every candidate's b is at least Σw/64 (|q| >= 1/8), so above a threshold T
+# both a·a and best·b are at least T·Σw/64, and T·Σw >= 2^-99 keeps them 2^20 above that range
+_TINY = 2.0 ** -99
 _DELTA8 = 0.125
 X_P = (-1 + _DELTA8, _DELTA8, 1 + _DELTA8)      # a group's level values with the + shift; exact in float32
 X_M = (-1 - _DELTA8, -_DELTA8, 1 - _DELTA8)
@@ -49,6 +53,25 @@ def _sq_diff(u, v) -> float:
 # i2)·(q1² - q2²), the coefficients rounded to float32 as llama.cpp's are
 _M_COEF = {True: (X_P[2], _sq_diff(X_P[0], X_P[1]), _sq_diff(X_P[1], X_P[2])),
            False: (X_M[2], _sq_diff(X_M[0], X_M[1]), _sq_diff(X_M[1], X_M[2]))}
+
+
+@fused
+def prefix_sums(vals, ws, half):
+    """The running sums, from 0, of w·x and w over each sub-block's sorted values vals and their weights ws
+    (n, m), added one by one as the C adds them: P (2, n + 1, m) for IQ1_S (half None); for IQ1_M, where half
+    (n, m) says which group of 8 each sorted value is in, those of each group: P (4, n + 1, m)."""
+    zero = torch.zeros_like(vals[0])
+    groups = (None,) if half is None else (False, True)
+    sx = [[zero] for _ in groups]
+    sw = [[zero] for _ in groups]
+    for j in range(vals.shape[0]):
+        for h, mine in enumerate(groups):
+            x, w = sx[h][-1] + ws[j] * vals[j], sw[h][-1] + ws[j]
+            if mine is not None:
+                x, w = torch.where(half[j] == mine, x, sx[h][-1]), torch.where(half[j] == mine, w, sw[h][-1])
+            sx[h].append(x)
+            sw[h].append(w)
+    return torch.stack([torch.stack(t) for t in sx + sw])
 
 
 def shifts(kind: str) -> int:
@@ -83,6 +106,11 @@ def _sums_m(P, at1, at2, k):
 _SUMS = {"s": _sums_s, "m": _sums_m}
 
 
+def _total_weight(P, kind):
+    """Σw of each sub-block (m,)."""
+    return P[1, -1] if kind == "s" else P[2, -1] + P[3, -1]
+
+
 def unravel(c: torch.Tensor, n1: int, kind: str):
     """Candidate index -> (i1, i2, shift)."""
     k = shifts(kind)
@@ -113,10 +141,10 @@ def _best_key(P, kind: str):
 def _counts(P, T, low, kind: str):
     """For each threshold T (E, m) and the bottom of its gap `low` (E, m): (candidates with key >= T, candidates
     with low <= key < T) as (2, E, m)."""
-    key = _keys(P, kind).unsqueeze(1)                                        # (C, 1, m)
-    above = (key >= T).sum(0)
-    gap = ((key >= low) & (key < T)).sum(0)
-    return torch.stack([above, gap])
+    key = _keys(P, kind)
+    above = [(key >= t).sum(0, dtype=torch.int32) for t in T]
+    gap = [((key >= lo) & (key < t)).sum(0, dtype=torch.int32) for t, lo in zip(T, low)]
+    return torch.stack([torch.stack(above), torch.stack(gap)])
 
 
 @fused
@@ -124,6 +152,13 @@ def _above(P, T, kind: str):
     """Which candidates (C, m) have key >= T (m,), as int32 (stored as bool or uint8, Inductor's vectors take
     5-8x the time)."""
     return (_keys(P, kind) >= T).to(torch.int32)
+
+
+def _first(mask: torch.Tensor, dim: int = 0, keepdim: bool = False) -> torch.Tensor:
+    """Index of the first True along dim (its size where none): a minimum over int64 (argmax over bool or uint8
+    does not vectorize)."""
+    at = torch.arange(mask.shape[dim], device=mask.device).view([-1] + [1] * (mask.dim() - dim - 1))
+    return torch.where(mask, at, mask.shape[dim]).amin(dim, keepdim=keepdim)
 
 
 def _in_order(mask: torch.Tensor, C: int) -> torch.Tensor:
@@ -139,15 +174,31 @@ def _in_order(mask: torch.Tensor, C: int) -> torch.Tensor:
     return order
 
 
+_FEW = 24      # up to this many candidates a column, _run takes them one by one; beyond, as a path
+
+
 def _run(order, a, b, C):
     """llama.cpp's running pick over the candidates `order` (R, m) (padding: C) whose sums are a, b (R, m)
-    -> (chosen candidate or -1, scale).  The candidates kept form a path: the first that passes the test
-    against the start state, then from each one kept, the first later one that passes the test against it.
-    Every (kept, next) test is made at once and the path followed by doubling: log2(R) steps, not R."""
+    -> (chosen candidate or -1, scale)."""
     R, m = order.shape
-    if R == 0:
-        return torch.full((m,), -1, dtype=torch.int64, device=order.device), torch.zeros(m, dtype=_F32,
-                                                                                       device=order.device)
+    if R > _FEW:
+        return _run_as_path(order, a, b, C)
+    chosen = torch.full((m,), -1, dtype=torch.int64, device=order.device)
+    scale = torch.zeros(m, dtype=_F32, device=order.device)
+    best = torch.full((m,), -float(np.finfo(np.float32).max), dtype=_F32, device=order.device)
+    for row, ar, br in zip(order, a, b):
+        take = (row < C) & (br > 0) & (ar * ar > best * br)
+        scale = torch.where(take, _div(ar, br), scale)
+        best = torch.where(take, scale * ar, best)
+        chosen = torch.where(take, row, chosen)
+    return chosen, scale
+
+
+def _run_as_path(order, a, b, C):
+    """_run for many candidates a column: the candidates kept form a path (the first that passes the test
+    against the start state, then from each one kept the first later one that passes the test against it), so
+    every (kept, next) test is made at once and the path followed by doubling: log2(R) steps, not R."""
+    R, m = order.shape
     ok = (order < C) & (b > 0)
     scale = _div(a, torch.where(ok, b, 1.0))
     best = scale * a
@@ -156,11 +207,13 @@ def _run(order, a, b, C):
     first = ok & (aa > _f32(-np.finfo(np.float32).max) * b)
     passes = (rows.unsqueeze(1) < rows.unsqueeze(0)) & ok & (aa.unsqueeze(0) > best.unsqueeze(1) * b)
     # passes[t, c]: c after t passes the test against t's state; next[t]: the first such c, else t itself
-    nxt = torch.where(passes.any(1), passes.to(torch.uint8).argmax(1), rows)
+    nxt = _first(passes, 1)
+    nxt = torch.where(nxt < R, nxt, rows)
     for _ in range((R - 1).bit_length()):
         nxt = nxt.gather(0, nxt)
-    last = nxt.gather(0, first.to(torch.uint8).argmax(0, keepdim=True))
-    kept = first.any(0)
+    start = _first(first, 0, keepdim=True)
+    kept = start.squeeze(0) < R
+    last = nxt.gather(0, start.clamp(max=R - 1))
     return (torch.where(kept, order.gather(0, last).squeeze(0), -1),
             torch.where(kept, scale.gather(0, last).squeeze(0), 0.0))
 
@@ -182,16 +235,19 @@ def _replayed(P, kind, order, C, budget: int = 1 << 22):
     return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
 
-def _least_clean(key: torch.Tensor) -> torch.Tensor:
+def _least_clean(key: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """The largest threshold T (m,) of the keys (C, m) with no key in [T·(1 - 2·DELTA), T): a key that the next
     lower one (sorted) falls that far short of.  Where the best key is 0 (every a = 0: the C keeps its first
     valid candidate) the first valid candidate alone: T above every key (inf) with that one added by the
-    caller; where it is not finite, -inf (every candidate is replayed)."""
+    caller; where it is not finite, or too small for the keys to decide (_TINY), -inf: every candidate is
+    replayed."""
     ks = key.sort(0, descending=True).values
     short = ks[1:] < ks[:-1] * _f32(1 - 2 * DELTA)
-    j = short.to(torch.uint8).argmax(0, keepdim=True)
-    T = torch.where(short.any(0), ks.gather(0, j).squeeze(0), -float("inf"))
+    j = _first(short, 0, keepdim=True)
+    T = torch.where(j.squeeze(0) < short.shape[0], ks.gather(0, j.clamp(max=short.shape[0] - 1)).squeeze(0),
+                    -float("inf"))
     g = ks[0]
+    T = torch.where(T * W >= _TINY, T, -float("inf"))
     return torch.where(torch.isfinite(g) & (g > 0), T, torch.where(g == 0, float("inf"), -float("inf")))
 
 
@@ -199,10 +255,10 @@ def _slow(P, kind, C):
     """pick() for the sub-blocks no threshold of the kernels' served: their keys sorted for the least clean
     threshold, and the path over all candidates above it."""
     key = _keys(P, kind)
-    T = _least_clean(key)
-    members = key >= T
+    T = _least_clean(key, _total_weight(P, kind))
+    members = (key >= T) & (key > -float("inf"))
     zero = torch.isinf(T) & (T > 0)                                 # best key 0: the first valid candidate
-    members[(key > -float("inf")).to(torch.uint8).argmax(0), torch.arange(key.shape[1], device=key.device)] |= zero
+    members[_first(key > -float("inf")).clamp(max=key.shape[0] - 1), torch.arange(key.shape[1], device=key.device)] |= zero
     return _replayed(P, kind, _in_order(members, C), C)
 
 
@@ -214,9 +270,9 @@ def pick(P: torch.Tensor, kind: str):
     g = _best_key(P, kind)
     T = g.unsqueeze(0) * torch.tensor([_f32(1 - e) for e in EPSILONS], device=P.device).unsqueeze(1)
     above, gap = _counts(P, T, T * _f32(1 - 2 * DELTA), kind)
-    ok = (gap == 0) & (above >= 1) & (above <= CAP) & torch.isfinite(g) & (g > 0)
+    ok = (gap == 0) & (above >= 1) & (above <= CAP) & torch.isfinite(g) & (T * _total_weight(P, kind) >= _TINY)
     fast = ok.any(0)
-    at = ok.to(torch.uint8).argmax(0, keepdim=True)                          # the nearest clean threshold
+    at = _first(ok, 0, keepdim=True).clamp(max=len(EPSILONS) - 1)           # the nearest clean threshold
     order = _in_order(_above(P, torch.where(fast, T.gather(0, at).squeeze(0), float("inf")), kind), C)
     chosen, scale = _run(order, *_sums_of(P, kind, order, C), C)
     none = torch.isinf(g) & (g < 0)                                          # no valid candidate: -1
