@@ -173,11 +173,12 @@ def _enc_iq1_m(x, qw, ctx):
     return torch.cat([qs, qh, torch.stack([sc & 255, sc >> 8], 1).reshape(8, nb)])
 
 
-# (encoder, relative work per element: sizes the chunks, row sigma needed) as in encoders.py.  The cut-point
-# search holds every candidate split of a chunk's sub-blocks at once, so its chunks are kept small: at 64 a chunk
-# is 64 super-blocks (measured on a 576 x 1536 tensor: +0 MiB peak and 1.24 / 0.98 s for IQ1_S / IQ1_M, against
-# +180 / +79 MiB and 1.83 / 1.73 s at 8)
+# (encoder, relative work per element: sizes the chunks, row sigma needed) as in encoders.py.  At 16 a chunk is
+# 256 super-blocks: the split search's passes keep no candidate in memory, so the chunk size weighs the eager
+# steps' per-call cost against one (candidates, sub-blocks) int32 mask (9 MiB at 256).  Measured on the bench's
+# two tensors (bench/gguf_lowbit_encoders.py, 2026-12-06): IQ1_S / IQ1_M 1.40 / 1.66 s and +113 / +110 MiB peak
+# against 2.03 / 2.21 s at 64, and 1.48 / 1.72 s (+237 MiB) at 4
 IQ1_ENCODERS = {
-    QT.IQ1_S: (_enc_iq1_s, 64, False),
-    QT.IQ1_M: (_enc_iq1_m, 64, False),
+    QT.IQ1_S: (_enc_iq1_s, 16, False),
+    QT.IQ1_M: (_enc_iq1_m, 16, False),
 }

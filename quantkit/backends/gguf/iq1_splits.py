@@ -2,24 +2,25 @@
 without replaying every candidate, with fused CPU kernels for the passes over all of them.
 
 A sub-block's candidates are the cut pairs (i1 <= i2) of its sorted values and the shifts (IQ1_S: two, IQ1_M:
-four), in llama.cpp's order (i1, then i2, then the shift).  Each has a = Σw·x·q and b = Σw·q² from prefix
-sums, and the C keeps, in that order, every candidate with b > 0 and float32 a·a > best·b, then best =
-(a/b)·a.  Its last such candidate is what counts, and that is a candidate of (nearly) the largest key a²/b.
+four), in llama.cpp's order (i1, then i2, then the shift): 1122 for IQ1_S, 612 for IQ1_M.  Each has
+a = Σw·x·q and b = Σw·q² from prefix sums, and the C keeps, in that order, every candidate with b > 0 and float32
+a·a > best·b, then best = (a/b)·a.  Its last such candidate is what counts, and that is one of (nearly) the
+largest key a²/b.
 
-Keys are compared here in float32 (key = a·a/b): where two keys differ by more than the relative DELTA, the C's
-test orders the two candidates as the keys do (its products and this quotient are each within a few float32
-roundings of a²/b: 8 units of 2^-24 in all, 4.8e-7).  So for a threshold T with no key in [T·(1 - 2·DELTA), T),
-the first candidate of key >= T is taken whatever came before it, and no candidate below the gap is taken
-after it: replaying only the candidates of key >= T, from the start state, keeps what the C keeps.  Each
-sub-block tries the thresholds T = best key · (1 - ε) for ε in EPSILONS, nearest first, and takes the first
-with such a gap and at most CAP candidates above it (measured on the bench tensors: 99.99 % of sub-blocks, with
-1.4-2.3 candidates on average); the rest run the full replay (every candidate within 1e-4 of the best score
-before it, in order).
+Keys are compared here in float32 (key = a·a/b).  Where two keys differ by more than the relative DELTA, the C's
+test orders the two candidates as the keys do: its products and this quotient are each within a few float32
+roundings of a²/b (5 units of 2^-24 in all, 3e-7, with the threshold's own rounding), while those products are
+normal numbers (_TINY).  So for a threshold T with no key in [T·(1 - 2·DELTA), T), the first candidate of
+key >= T is taken whatever came before it, and no candidate below the gap is taken after it: replaying only the
+candidates of key >= T, from the start state, keeps what the C keeps.  Each sub-block tries the thresholds
+T = best key · (1 - ε) for ε in EPSILONS, nearest first, and takes the first with such a gap and at most CAP
+candidates above it (on the bench's tensors 99.2 % of the sub-blocks; mostly one or two candidates).  The rest
+sort their keys for the highest clean threshold, whatever its count; where the keys cannot decide, every
+candidate is replayed.
 
-The candidates are laid out as the grid (i1, i2, shift) with the pairs i1 > i2 left invalid (b = 0): twice the
-arithmetic of the pairs alone, but every term is a broadcast of the prefix sums, which Inductor fuses into one
-vectorized loop over the sub-blocks with no gathers.  The passes over all candidates (best key; the counts in
-and below each threshold; which are replayed) never store them.
+The passes over all candidates (best key; the counts above and in the gap below each threshold; which are
+above the chosen one) recompute the candidates' sums from the prefix sums and never store them.  The replay
+takes a few candidates one by one; many (the sorted fallback) as a path followed by doubling (_run_as_path).
 """
 
 from __future__ import annotations
@@ -111,18 +112,23 @@ def _total_weight(P, kind):
     return P[1, -1] if kind == "s" else P[2, -1] + P[3, -1]
 
 
+def candidates(n1: int, kind: str) -> int:
+    return n1 * (n1 + 1) // 2 * shifts(kind)
+
+
 def unravel(c: torch.Tensor, n1: int, kind: str):
     """Candidate index -> (i1, i2, shift)."""
     k = shifts(kind)
-    return c // (n1 * k), (c // k) % n1, c % k
+    i1, i2 = torch.triu_indices(n1, n1, device=c.device)
+    return i1[c // k], i2[c // k], c % k
 
 
 def _all_sums(P, kind):
-    """(a, b, valid) of every candidate (C, m); valid: b > 0 and i1 <= i2."""
+    """(a, b, valid) of every candidate (C, m); valid: b > 0."""
     n1 = P.shape[1]
-    i1, i2, k = unravel(torch.arange(n1 * n1 * shifts(kind), device=P.device), n1, kind)
+    i1, i2, k = unravel(torch.arange(candidates(n1, kind), device=P.device), n1, kind)
     a, b = _SUMS[kind](P, lambda t: t[i1], lambda t: t[i2], k.unsqueeze(1))
-    return a, b, (i1 <= i2).unsqueeze(1) & (b > 0)
+    return a, b, b > 0
 
 
 def _keys(P, kind):
@@ -266,7 +272,7 @@ def pick(P: torch.Tensor, kind: str):
     """P: the prefix sums ("s": (2, 33, m), "m": (4, 17, m)) -> (the candidate llama.cpp keeps (m,), -1 where
     none has b > 0; its scale a/b)."""
     n1 = P.shape[1]
-    C = n1 * n1 * shifts(kind)
+    C = candidates(n1, kind)
     g = _best_key(P, kind)
     T = g.unsqueeze(0) * torch.tensor([_f32(1 - e) for e in EPSILONS], device=P.device).unsqueeze(1)
     above, gap = _counts(P, T, T * _f32(1 - 2 * DELTA), kind)
