@@ -72,25 +72,21 @@ _LATTICES = {
 NEEDS_IMATRIX = frozenset(t for t, p in _LATTICES.items() if p.plain is None) | {QT.IQ1_S}
 
 
-def _snap(tab: GridTables, lv: torch.Tensor, xval: torch.Tensor, waux: torch.Tensor, scale: torch.Tensor):
+def _snap(tab: GridTables, lv: torch.Tensor, xg: torch.Tensor, wg: torch.Tensor, scale: torch.Tensor):
     """Levels lv (sub, m) -> (levels on the grid (sub, m), on-grid mask (groups, m)): an off-grid group takes
-    its best neighbour at `scale` (m,)."""
+    its best neighbour at `scale` (m,); xg, wg: the values and weights by group (GridTables.by_group)."""
     sub, m = lv.shape
     dim = tab.dim
-
-    def grouped(t):
-        return t.view(sub // dim, dim, m).permute(0, 2, 1)               # (groups, m, dim)
-
-    Lg = grouped(lv)
-    u = tab.index(Lg)
+    u = tab.index(lv.view(sub // dim, dim, m).permute(0, 2, 1))                # (groups, m)
     on = tab.index_of[u.long()] >= 0
-    sel = (~on).view(-1).nonzero().squeeze(1)                       # off-grid groups, as group·m + column
-    if sel.numel():
-        def lanes(t):                                               # (sub, m) -> (dim, off-grid groups)
-            return grouped(t).reshape(-1, dim).index_select(0, sel).t()   # rows: dim-1 gathers are slow
-        best = best_neighbour(tab, u.view(-1)[sel], lanes(xval), lanes(waux), scale.index_select(0, sel % m))
-        Lg = Lg.reshape(-1, dim).index_copy(0, sel, tab.levels[best]).view(sub // dim, m, dim)
-    return Lg.permute(0, 2, 1).reshape(sub, m), on
+    grp, col = (~on).nonzero(as_tuple=True)                         # the off-grid groups
+    if grp.numel():
+        sel = grp * m + col
+        best = best_neighbour(tab, u.view(-1)[sel], xg.index_select(1, sel), wg.index_select(1, sel),
+                              scale.index_select(0, col))
+        at = (grp * (dim * m) + col).unsqueeze(0) + (torch.arange(dim, device=lv.device) * m).unsqueeze(1)
+        lv = lv.reshape(-1).index_put((at,), tab.levels[best].t().to(lv.dtype)).view(sub, m)   # their levels
+    return lv, on
 
 
 def _sums(w, xval, L):
@@ -112,9 +108,10 @@ def _search(p: _Lattice, tab: GridTables, xval, w, waux, top, scale):
     L = torch.zeros((sub, m), dtype=torch.int32, device=xval.device)
     on_grid = torch.full((groups, m), p.track and not p.redo_all, dtype=torch.bool, device=xval.device)
     base = np.float32(2 * p.kmax - 1)
+    xg, wg = tab.by_group(xval), tab.by_group(waux)
     for k in range(-p.trials, p.trials + 1):
         idd = _div(_f32(base + np.float32(k) * np.float32(p.step)), top)
-        Laux, on = _snap(tab, _levels(idd, xval, p.kmax), xval, waux, _recip(idd))
+        Laux, on = _snap(tab, _levels(idd, xval, p.kmax), xg, wg, _recip(idd))
         sumqx, sumq2 = _sums(w, xval, Laux)
         take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         scale = torch.where(take, _div(sumqx, sumq2), scale)
@@ -126,7 +123,7 @@ def _search(p: _Lattice, tab: GridTables, xval, w, waux, top, scale):
     if bool(redo.any()):
         cols = redo.nonzero().squeeze(1)
         xs, ws, wa, sc = xval[:, cols], w[:, cols], waux[:, cols], scale[cols]
-        Lnew, _ = _snap(tab, _levels(_recip(sc), xs, p.kmax), xs, wa, sc)
+        Lnew, _ = _snap(tab, _levels(_recip(sc), xs, p.kmax), tab.by_group(xs), tab.by_group(wa), sc)
         if not p.redo_all:
             keep = on_grid[:, cols].repeat_interleave(tab.dim, 0)
             Lnew = torch.where(keep, L[:, cols], Lnew)

@@ -57,6 +57,13 @@ class GridTables:
         sh = torch.arange(self.dim, device=L.device, dtype=torch.int32) * self.bits
         return (L.to(torch.int32) << sh).sum(-1)
 
+    def by_group(self, t: torch.Tensor) -> torch.Tensor:
+        """(sub, m) values whose groups are `dim` consecutive rows -> (dim, groups·m), column group·m + j: the
+        layout from which one index_select over columns gives groups' values contiguous, as the neighbour
+        kernel takes them."""
+        sub, m = t.shape
+        return t.view(sub // self.dim, self.dim, m).permute(1, 0, 2).reshape(self.dim, -1)
+
     def to(self, device) -> "GridTables":
         if self.levels.device == torch.device(device):
             return self

@@ -52,13 +52,14 @@ def _snap(L, x, w, scale, shift_p, tab):
     u = tab.index(G)
     gi = tab.index_of[u.long()].long()
     off = gi < 0
-    if bool(off.any()):
+    sel = off.view(-1).nonzero().squeeze(1)                         # off-grid groups, as group·m + column
+    if sel.numel():
         xp = torch.tensor(_X_P + (0.0,), device=x.device)
         xm = torch.tensor(_X_M + (0.0,), device=x.device)
-        values = torch.where(shift_p[off].unsqueeze(0), xp.unsqueeze(1), xm.unsqueeze(1))      # (4, off)
-        grouped = lambda t: t.view(n // 8, 8, m).permute(0, 2, 1)[off].t()   # noqa: E731  (8, off)
-        sc = scale.unsqueeze(0).expand(n // 8, m)[off]
-        gi[off] = best_neighbour(tab, u[off], grouped(x), grouped(w), sc, values).long()
+        values = torch.where(shift_p.reshape(-1)[sel].unsqueeze(0), xp.unsqueeze(1), xm.unsqueeze(1))   # (4, g)
+        gi.view(-1)[sel] = best_neighbour(tab, u.view(-1)[sel], tab.by_group(x).index_select(1, sel),
+                                          tab.by_group(w).index_select(1, sel), scale.index_select(0, sel % m),
+                                          values).long()
     return gi, ~off.any(0)
 
 

@@ -96,7 +96,7 @@ def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: t
     def rows(t):                            # (k, g) or (g,) -> each group's columns repeated for its rows
         if group is None:
             return t
-        return t.index_select(0, group) if t.dim() == 1 else t.t().index_select(0, group).t()
+        return t.index_select(t.dim() - 1, group)
     first, left = rows(start) + step, rows(count) - step
     d2, at = _nearest_in_rows(rows(xval), rows(waux), rows(scale), None if values is None else rows(values),
                               first, left, tab.packed, tab.bits)
