@@ -52,13 +52,14 @@ def _snap(L, x, w, scale, shift_p, tab):
     u = tab.index(G)
     gi = tab.index_of[u.long()].long()
     off = gi < 0
-    sel = off.view(-1).nonzero().squeeze(1)                         # off-grid groups, as group·m + column
-    if sel.numel():
+    grp, col = off.nonzero(as_tuple=True)                           # the off-grid groups, as in grid_encoders
+    if grp.numel():
+        sel = grp * m + col
         xp = torch.tensor(_X_P + (0.0,), device=x.device)
         xm = torch.tensor(_X_M + (0.0,), device=x.device)
         values = torch.where(shift_p.reshape(-1)[sel].unsqueeze(0), xp.unsqueeze(1), xm.unsqueeze(1))   # (4, g)
         gi.view(-1)[sel] = best_neighbour(tab, u.view(-1)[sel], tab.by_group(x).index_select(1, sel),
-                                          tab.by_group(w).index_select(1, sel), scale.index_select(0, sel % m),
+                                          tab.by_group(w).index_select(1, sel), scale.index_select(0, col),
                                           values).long()
     return gi, ~off.any(0)
 
@@ -111,7 +112,7 @@ def _enc_iq1_s(x, qw, ctx):
     idx, P = _sorted_prefix(xs, w, False)
     chosen, scale = pick(P, "s")
     active &= chosen >= 0
-    i1, i2, k = unravel(chosen.clamp(min=0), 33, "s")
+    i1, i2, k = unravel(chosen.clamp(min=0), P.shape[1], "s")
     L, scale, flipped = _placed(idx, i1, i2, scale)
     shift_p = (k == 0) ^ flipped
     gi, scale = _on_grid(L, xs, w, scale, shift_p.unsqueeze(0).expand(4, m), tab, active)
@@ -140,7 +141,7 @@ def _enc_iq1_m(x, qw, ctx):
     idx, P = _sorted_prefix(xs, w, True)
     chosen, scale = pick(P, "m")
     active &= chosen >= 0
-    i1, i2, k = unravel(chosen.clamp(min=0), 17, "m")
+    i1, i2, k = unravel(chosen.clamp(min=0), P.shape[1], "m")
     L, scale, flipped = _placed(idx, i1, i2, scale)
     k = torch.where(flipped, 3 - k, k)
     gi, scale = _on_grid(L, xs, w, scale, torch.stack([k < 2, k % 2 == 0]), tab, active)   # shifts of 2 groups
