@@ -117,14 +117,15 @@ def pass_ram(model, seqlen: int) -> int:
     return layer_params(model) * 4 * 2 + batch_for(seqlen) * seqlen * model.config.intermediate_size * 4 * 4
 
 
-def pass_seconds(model, samples: int, seqlen: int, device, accumulator=None, reference: bool = False) -> float:
+def pass_seconds(model, samples: int, seqlen: int, device, accumulator=None, reference: float = 0.0) -> float:
     """One calibrated job's walk through the layers: its forwards over every calibration window (each job runs
     its own, on its own stream), timed here on the largest layer with the pass's own code and a job that does nothing
     but gather `accumulator`'s statistics of each input group (`accumulator(features, device).add(x)` per batch,
     as the run's job does), then scaled by tokens and layers.  Counting FLOPs at the peak matmul rate came out
     5-12x short on the demo: its small matmuls, attention, norms and copies run far from that rate; and the
     statistics timed apart from the walk came to 1.2 s where a profile of the demo's run showed 2.7 s.
-    `reference`: a job that also walks the unquantized model's stream (jobs.py), `accumulator.add(x, reference=…)`."""
+    `reference`: the share of the windows for which a job also walks the unquantized model's stream (jobs.py),
+    `accumulator.add(x, reference=…)`."""
     per_layer, per_window = layer_walk(model, seqlen, device, accumulator, reference)
     return (per_layer + per_window * samples) * model.num_layers
 
@@ -151,7 +152,7 @@ def held_second_moments(model) -> int:
     return held + max(shape[-1] for shape in shapes.values()) ** 2 * 4 * 2
 
 
-def layer_walk(model, seqlen: int, device, accumulator=None, reference: bool = False) -> tuple[float, float]:
+def layer_walk(model, seqlen: int, device, accumulator=None, reference: float = 0.0) -> tuple[float, float]:
     """(seconds to read a layer and make its working copy, seconds per calibration window of its staged walk,
     about two forwards of the layer, with `accumulator`'s statistics gathered on the way), probed once per model,
     window length and statistics in this process."""
@@ -164,7 +165,7 @@ def layer_walk(model, seqlen: int, device, accumulator=None, reference: bool = F
 _pass_probe: dict[tuple, tuple[float, float]] = {}
 
 
-def _gathering_job(accumulator, device, reference: bool = False):
+def _gathering_job(accumulator, device, reference: float = 0.0):
     """A pass job that quantizes nothing and gathers `accumulator`'s statistics of each input group the way the
     quantizers' jobs keep them (GroupStats); without an accumulator, a job that does nothing."""
     from .calibration.jobs import PassJob
@@ -186,7 +187,7 @@ def _gathering_job(accumulator, device, reference: bool = False):
     return Gathering()
 
 
-def _time_layer_walk(model, seqlen: int, device, accumulator=None, reference: bool = False) -> tuple[float, float]:
+def _time_layer_walk(model, seqlen: int, device, accumulator=None, reference: float = 0.0) -> tuple[float, float]:
     """quantize_layer with a job that gathers `accumulator`'s statistics and quantizes nothing (with `reference`,
     walking a reference stream beside its own as the pass does for such a job), on one batch of windows as the pass
     makes them (batch_for: 4096 tokens; at half that, the demo's walk read ~15 % faster per
@@ -196,7 +197,7 @@ def _time_layer_walk(model, seqlen: int, device, accumulator=None, reference: bo
     import torch
 
     from .calibration.capture import batch_for, default_compute_dtype, quantize_layer, working_weights
-    from .calibration.context import LayerContext
+    from .calibration.context import LayerContext, reference_samples
     from .model.engine import Runtime
     dtype = default_compute_dtype(device)
     t0 = time.perf_counter()
@@ -213,8 +214,9 @@ def _time_layer_walk(model, seqlen: int, device, accumulator=None, reference: bo
     for n in (1, windows, windows):
         stream = torch.randn(n, seqlen, model.config.hidden_size, generator=generator)
         ctx = LayerContext(i, block, source, weights=weights, stream=stream, runtime=runtime, batch=n)
-        if reference:
-            ctx.reference, ctx.reference_weights = stream.clone(), working_weights(block, source, device, dtype)
+        if reference:    # the share of the windows the pass pairs, as it pairs them
+            ctx.reference = stream[reference_samples(n, n, reference)].clone()
+            ctx.reference_share, ctx.reference_weights = reference, working_weights(block, source, device, dtype)
         job = _gathering_job(accumulator, device, reference)
         t0 = time.perf_counter()
         quantize_layer(ctx, job, release_memory=False)

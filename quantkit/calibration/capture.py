@@ -15,11 +15,12 @@ alone — and the layer is walked through its block description (quantkit.model.
         h = h + sub-block(h)                                         (with every group of it quantized)
 
 so each group's inputs are those of a layer whose earlier groups are already quantized, and a layer costs
-about two forward passes.  A job with `reference = True` (jobs.py) also gets, for each group outside a routed
-MoE block, the input the UNQUANTIZED model gives the same tokens: the pass carries a second stream for it,
-walked with the source weights beside the job's own (two streams of memory; since those weights never change,
-the reference's walk to a sub-block's last stage runs on to its end and advances its stream: one forward where
-the job's own stream takes about 1.6).  Matmuls run
+about two forward passes.  A job with a `reference` share (jobs.py) also gets, for each group outside a routed
+MoE block, the input the UNQUANTIZED model gives the first samples of each batch (that share of them,
+context.paired_spans): the pass carries a second stream for those samples, walked with the source weights beside
+the job's own (the share more stream memory; since those weights never change, the reference's walk to a
+sub-block's last stage runs on to its end and advances its stream: one forward of the share where the job's own
+stream takes about 1.6 of every sample).  Matmuls run
 in `compute_dtype` (bf16 where the hardware has fast bf16: AMX CPUs, CUDA), the residual stream, norms and every
 statistic in float32.  Peak memory: one layer's weights, the
 streams (samples × seqlen × hidden float32 each) and one batch's intermediates.
@@ -33,7 +34,7 @@ from ..heap import release_free_memory
 from ..model.block import Block, MoE
 from ..model.engine import Runtime, embed, run_residual
 from ..progress import Progress, null_progress
-from .context import LayerContext
+from .context import LayerContext, reference_samples, reference_share
 from .jobs import LayerJob
 
 
@@ -63,7 +64,8 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
     turns it off, since a run pays it once per stage over all its windows, the probe over a few."""
     h, w, rt, device = ctx.stream, ctx.weights, ctx.runtime, ctx.runtime.device
     ref, ref_w = ctx.reference, ctx.reference_weights
-    spans = ctx.spans()
+    # each batch of the job's stream, and where the reference keeps its first samples (None: no reference)
+    spans = ctx.paired_spans() if ref is not None else [(sl, None) for sl in ctx.spans()]
 
     for sub in ctx.block.residuals:
         paired = ref is not None and not isinstance(sub.op, MoE)   # routed tokens differ between the two streams
@@ -83,12 +85,12 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
                         job.observe(ctx, group, x, reference=refs.get(group))
 
             last = index == len(sub.stages) - 1
-            for sl in spans:
+            for sl, rsl in spans:
                 if paired and last:   # the reference weights never change: its last walk also advances its stream
-                    rs = ref[sl].to(device)
-                    ref[sl] = (rs + run_residual(sub, rs, ref_w, rt, observe=keep).float()).to(ref.device)
+                    rs = ref[rsl].to(device)
+                    ref[rsl] = (rs + run_residual(sub, rs, ref_w, rt, observe=keep).float()).to(ref.device)
                 elif paired:
-                    run_residual(sub, ref[sl].to(device), ref_w, rt, observe=keep, stop=index)
+                    run_residual(sub, ref[rsl].to(device), ref_w, rt, observe=keep, stop=index)
                 run_residual(sub, h[sl].to(device), w, rt, observe=observe, stop=index)
                 refs.clear()
             if release_memory:
@@ -96,8 +98,11 @@ def quantize_layer(ctx: LayerContext, job: LayerJob, release_memory: bool = True
             for group in stage:  # quantizers get the weights in their source precision through ctx.source
                 new = job.quantize_group(ctx, group)
                 w.update({k: v.to(device=device, dtype=w[k].dtype) for k, v in new.items()})
-        for stream, weights in ((h, w),) if ref is None or ref_walks_to_end else ((h, w), (ref, ref_w)):
-            for sl in spans:
+        walks = [(h, w, [sl for sl, _ in spans])]
+        if ref is not None and not ref_walks_to_end:
+            walks.append((ref, ref_w, [rsl for _, rsl in spans]))
+        for stream, weights, slices in walks:
+            for sl in slices:
                 hs = stream[sl].to(device)
                 stream[sl] = (hs + run_residual(sub, hs, weights, rt).float()).to(stream.device)
 
@@ -107,10 +112,6 @@ def _refuse_non_finite(model, i: int, source: dict[str, torch.Tensor]) -> None:
     for name, t in source.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise QuantizationError(f"{model.adapter.prefix(i)}{name}: contains NaN or infinite values; cannot quantize")
-
-
-def _wants_reference(job) -> bool:
-    return bool(getattr(job, "reference", False))
 
 
 def batch_for(seqlen: int, tokens_per_batch: int = 4096) -> int:
@@ -134,23 +135,26 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
     batch = batch_for(tokens.shape[1])
     rt = Runtime(tokens.shape[1], device, compute_dtype)
     point, saved_streams = resume if resume is not None else (None, {})
+    shares = {id(j): reference_share(j, *tokens.shape) for j in jobs}
     for index in range(passes):
         active = [j for j in jobs if getattr(j, "first_pass", 0) <= index < getattr(j, "passes", 1)]
         start = point.layer if point is not None and index == point.pass_index else 0
         if point is None or index >= point.pass_index:
             # Streams stay on the device when it is the CPU, or when they take under a quarter of free GPU memory.
-            stream_bytes = tokens.numel() * cfg.hidden_size * 4 * sum(1 + _wants_reference(j) for j in active)
+            stream_bytes = tokens.numel() * cfg.hidden_size * 4 * sum(1 + shares[id(j)] for j in active)
             home = device
             if device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(device)
                 home = device if stream_bytes < free // 4 else torch.device("cpu")
-            # a job with a reference stream keeps both in one tensor (2, samples, seqlen, hidden): its own, then the
-            # unquantized one; a commit point saves and restores them together
+            # a job with a reference stream keeps both in one tensor along the samples: its own (all samples), then
+            # the unquantized one's (its share, context.paired_spans); a commit point saves and restores them together
+            samples = tokens.shape[0]
             if start:
                 streams = [saved_streams[j].to(home) for j in active]
             else:
                 first = embed(model, tokens).to(home)
-                streams = [torch.stack([first, first]) if _wants_reference(j) else first.clone() for j in active]
+                streams = [torch.cat([first, first[reference_samples(samples, batch, shares[id(j)])]])
+                           if shares[id(j)] else first.clone() for j in active]
                 del first
             label = "calibrate + quantize layers" if passes == 1 else f"pass {index + 1}/{passes}: layers"
             task = progress.task(label, total=model.num_layers)
@@ -160,10 +164,9 @@ def run_capture(model, tokens: torch.Tensor, jobs: list[LayerJob], *, device: to
                 _refuse_non_finite(model, i, source)
                 for job, h in zip(active, streams):
                     ctx = LayerContext(i, block, source, weights=working_weights(block, source, device, compute_dtype),
-                                       stream=h[0] if _wants_reference(job) else h, runtime=rt, batch=batch,
-                                       pass_index=index)
-                    if _wants_reference(job):
-                        ctx.reference = h[1]
+                                       stream=h[:samples], runtime=rt, batch=batch, pass_index=index)
+                    if shares[id(job)]:
+                        ctx.reference, ctx.reference_share = h[samples:], shares[id(job)]
                         ctx.reference_weights = working_weights(block, source, device, compute_dtype)
                     quantize_layer(ctx, job)
                     job.finish_layer(ctx)

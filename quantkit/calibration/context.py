@@ -10,6 +10,8 @@ own working weights and stream, and three abilities beyond reading a group's inp
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import UsageError
@@ -27,9 +29,11 @@ class LayerContext:
         self.stream, self.runtime, self.batch = stream, runtime, batch
         # producer weights this job replaced (by name); the artifact stores these instead of the source's
         self.replaced: dict[str, torch.Tensor] = {}
-        # for a job with `reference = True`: the unquantized model's stream of the same samples, and its weights
+        # for a job with a `reference` share: the unquantized model's stream of that share of the samples (the
+        # first of each batch, see paired_spans), and its weights
         self.reference: torch.Tensor | None = None
         self.reference_weights: dict[str, torch.Tensor] = {}
+        self.reference_share = 0.0
 
     @property
     def has_data(self) -> bool:
@@ -41,6 +45,10 @@ class LayerContext:
 
     def spans(self) -> list[slice]:
         return [slice(s, s + self.batch) for s in range(0, self.stream.shape[0], self.batch)]
+
+    def paired_spans(self) -> list[tuple[slice, slice]]:
+        """(batch of the job's stream, where the reference stream keeps its first samples) for each batch."""
+        return paired_spans(self.stream.shape[0], self.batch, self.reference_share)
 
     def _need_data(self) -> None:
         if self.stream is None:
@@ -58,12 +66,13 @@ class LayerContext:
         weight = {f"{norm.weight}.weight": model.final_norm_weight().float().to(device)}
         features = model.config.hidden_size
         acc = HessianAccumulator(features, device) if self.reference is None else ReferenceHessian(features, device)
-        for span in self.spans():
-            x = apply_norm(norm, self.stream[span].to(device).float(), weight)
-            if self.reference is None:
-                acc.add(x)
-            else:
-                acc.add(x, reference=apply_norm(norm, self.reference[span].to(device).float(), weight))
+        if self.reference is None:
+            for span in self.spans():
+                acc.add(apply_norm(norm, self.stream[span].to(device).float(), weight))
+            return acc
+        for span, paired in self.paired_spans():
+            acc.add(apply_norm(norm, self.stream[span].to(device).float(), weight),
+                    reference=apply_norm(norm, self.reference[paired].to(device).float(), weight))
         return acc
 
     # --- re-running a sub-block ---------------------------------------------------------------
@@ -117,3 +126,32 @@ class LayerContext:
             w = self.stored(f"{lin}.weight").to(torch.float32)
             scaled[f"{lin}.weight"] = self.replaced[f"{lin}.weight"] = w * scale.to(w.device)
         return scaled
+
+
+def reference_share(job, windows: int, seqlen: int) -> float:
+    """The share of the calibration windows for which `job` also gets the unquantized model's inputs (jobs.py):
+    its `reference` (0: none, True: all), raised so that at least its `reference_tokens` tokens are paired when the
+    windows hold that many (a reference estimated from few tokens is noisy)."""
+    share = float(getattr(job, "reference", 0) or 0)
+    floor = getattr(job, "reference_tokens", 0)
+    if share and floor:
+        share = max(share, min(1.0, floor / max(windows * seqlen, 1)))
+    return min(share, 1.0)
+
+
+def paired_spans(samples: int, batch: int, share: float) -> list[tuple[slice, slice]]:
+    """How a reference stream covers `share` of the samples: in every batch of the job's stream, its first
+    ⌈share · batch size⌉ samples (at least one), kept one after another in the reference stream.  Each batch then
+    pairs a few of its windows with the unquantized model's, and every part of the calibration set is sampled."""
+    out, at = [], 0
+    for start in range(0, samples, batch):
+        n = min(batch, samples - start)
+        paired = min(n, max(1, math.ceil(share * n - 1e-9)))
+        out.append((slice(start, start + n), slice(at, at + paired)))
+        at += paired
+    return out
+
+
+def reference_samples(samples: int, batch: int, share: float) -> torch.Tensor:
+    """The indices of the samples a reference stream of `share` carries, in its order (see paired_spans)."""
+    return torch.cat([torch.arange(s.start, s.start + p.stop - p.start) for s, p in paired_spans(samples, batch, share)])

@@ -9,10 +9,11 @@ true-sequential order, the pass calls
                                 ("mlp.up_proj.weight"); {} keeps the current ones
     finish_layer(ctx)           the layer is done (write it out)
 
-and, after the last layer of each pass, `end_pass(index)`.  A job with `reference = True` is called
-`observe(ctx, group, x, reference=x_ref)` instead, x_ref being what the group's linears read for the same tokens
-in the unquantized model (None inside a routed MoE block, where the two streams route tokens differently):
-the pass keeps that model's stream beside the job's own.  A job with `passes = 2` sees every layer in pass 0
+and, after the last layer of each pass, `end_pass(index)`.  A job with a `reference` share (0 < share ≤ 1) is
+called `observe(ctx, group, x, reference=x_ref)` instead, x_ref being what the group's linears read in the
+unquantized model for the first samples of the batch, ⌈share × batch⌉ of them (context.paired_spans), and None
+inside a routed MoE block, where the two streams route tokens differently: the pass keeps that model's stream
+for those samples beside the job's own (walking it costs about one forward of the share).  A job with `passes = 2` sees every layer in pass 0
 (EXL2's measurement) before any layer in pass 1; each pass starts a fresh stream from the embeddings.  A job
 with `first_pass = 1` sits pass 0 out (an EXL2 target that reads the measurement another job of the run makes)
 but still gets `end_pass(0)`, after the jobs that took part in it.
@@ -66,7 +67,8 @@ class PassJob:
     label = "job"
     passes = 1
     first_pass = 0
-    reference = False     # True: observe() also gets the unquantized model's inputs (see the module docstring)
+    reference = 0.0       # > 0: observe() also gets the unquantized model's inputs for that share of the samples
+                          # (see the module docstring); True counts as 1, all of them
     calibration = None    # the run's CalibrationSet, given to every pass job before the pass
 
     def resume_state(self) -> dict:

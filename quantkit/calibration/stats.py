@@ -50,37 +50,42 @@ class HessianAccumulator:
 
 
 class ReferenceHessian(HessianAccumulator):
-    """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / n with
-    X_ref the same tokens' inputs in the unquantized model: what a quantizer needs to aim at the unquantized
-    model's output, W·x_ref, rather than at W·x (the least-squares target is W + W·D·H⁻¹).  Batches without a
-    reference (a routed expert's) count in H and add nothing to D, which stays None until one has.
+    """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / m with
+    X_ref the unquantized model's inputs for the same tokens: what a quantizer needs to aim at the unquantized
+    model's output, W·x_ref, rather than at W·x (the least-squares target is W + W·D·H⁻¹).  The reference may cover
+    only the first rows of a batch (the pass carries the unquantized stream for a share of the windows,
+    context.paired_spans): D is the mean over the m rows that have one, an estimate of the same expectation as H's.
+    Batches without a reference (a routed expert's) count in H only; D stays None until one has.
 
     With `project` (the group's weights W, O × K, see output_projection) D is kept as W·D (O × K) instead:
-    W·(X_ref − X)ᵀX / n costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
+    W·(X_ref − X)ᵀX / m costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
     (`projected` says which)."""
 
     def __init__(self, features: int, device: torch.device):
         super().__init__(features, device)
         self.D: torch.Tensor | None = None
         self.projected = False
+        self.reference_rows = 0
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None = None,
             project: torch.Tensor | None = None) -> None:
-        rows = self.rows
         super().add(x)
-        if self.D is not None:
-            self.D.mul_(rows / self.rows)
-        if reference is not None:
-            x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
-            delta = reference.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32) - x
-            if project is not None:
-                delta = delta @ project.to(self.H.device, torch.float32).T
-            if self.D is None:
-                self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.H.device)
-                self.projected = project is not None
-            elif self.projected != (project is not None):
-                raise ValueError("a group's reference batches must all be projected or none")
-            self.D.addmm_(delta.T, x, alpha=1.0 / self.rows)
+        if reference is None:
+            return
+        reference = reference.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
+        x = x.reshape(-1, x.shape[-1])[:reference.shape[0]].to(self.H.device, torch.float32)   # the paired rows
+        delta = reference - x
+        if project is not None:
+            delta = delta @ project.to(self.H.device, torch.float32).T
+        total = self.reference_rows + x.shape[0]
+        if self.D is None:
+            self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.H.device)
+            self.projected = project is not None
+        elif self.projected != (project is not None):
+            raise ValueError("a group's reference batches must all be projected or none")
+        self.D.mul_(self.reference_rows / total)
+        self.D.addmm_(delta.T, x, alpha=1.0 / total)
+        self.reference_rows = total
 
     def shift(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
         """W·D for weights W (N × K), or None before any reference: with a projected D, its `rows` (those of

@@ -13,6 +13,8 @@ import torch
 
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
+from ...calibration.capture import batch_for
+from ...calibration.context import reference_samples, reference_share
 from ...calibration.stats import ReferenceHessian, SquareMeanAccumulator
 from ...device import resolve_device
 from ...errors import UsageError
@@ -161,9 +163,11 @@ class GGUFBackend(Backend):
                 collect = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             if settings.feedback:
+                from .feedback_job import FeedbackEncoder
                 # two streams: the file's own and the unquantized model's (its reference), as the pass walks them
                 feedback_pass = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, ReferenceHessian,
-                                             reference=True)
+                                             reference=reference_share(FeedbackEncoder, run.calib_samples,
+                                                                       run.calib_seqlen))
                 feedback_own = _feedback_seconds(model, rows, device)
                 text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text
@@ -176,15 +180,19 @@ class GGUFBackend(Backend):
             r.stream = r.own_ram = stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
         if settings.feedback:
-            # its own pass with two streams (its own and the unquantized model's) and a second copy of the layer's
-            # weights for the latter; a layer's linears (float32, three copies), one Hessian and its reference term
-            from .feedback_job import HEAD_ROWS, head_tensor
+            # its own pass with two streams (its own, and the unquantized model's for a share of the windows), a
+            # second copy of the layer's weights for the latter; a layer's linears (float32, three copies), one
+            # Hessian and its reference term
+            from .feedback_job import HEAD_ROWS, FeedbackEncoder, head_tensor
             r = plan.resources
+            run = settings.run
+            share = reference_share(FeedbackEncoder, run.calib_samples, run.calib_seqlen)
+            reference_windows = len(reference_samples(run.calib_samples, batch_for(run.calib_seqlen), share))
             widest = max(lin.in_features for lin in model.stored_linears[0])
             tallest = max(lin.in_features * lin.out_features for lin in model.stored_linears[0])
             layer = sum(lin.in_features * lin.out_features for lin in model.stored_linears[0]) * 4
             r.calibrated, r.shared_ram = True, pass_ram(model, settings.run.calib_seqlen)
-            r.stream = 2 * stream_bytes(model, settings.run.calib_samples, settings.run.calib_seqlen)
+            r.stream = stream_bytes(model, settings.run.calib_samples + reference_windows, settings.run.calib_seqlen)
             head = model.config.vocab_size * model.config.hidden_size   # read whole, fed back in slices
             # a slice's float32 rows, the feedback's working copies and the block search: ~17 bytes per weight
             # measured on the demo's head (2026-12-05: +216 MB over the pass for its 16384 × 576 slices)

@@ -35,7 +35,12 @@ def head_tensor(types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
 
 
 class FeedbackEncoder(PassJob):
-    reference = True      # aim at the unquantized model's outputs (feedback.toward_reference)
+    # aim at the unquantized model's outputs (feedback.toward_reference), estimated from half of the windows when
+    # they hold more than 32 k tokens, from all of them below: the reference stream's walk and statistics cost about
+    # what the rest of the pass does, and half of 64 k tokens (against 576-1536 inputs per linear on the demo) gives
+    # as good a file (bench/results/gguf_feedback.md); a few hundred tokens would not
+    reference = 0.5
+    reference_tokens = 32768
 
     def __init__(self, model, file_type: str, output: Path, types: dict[str, gguf.GGMLQuantizationType],
                  device: torch.device):
