@@ -6,6 +6,7 @@ import torch
 
 from conftest import LLAMA3_ROPE, make_checkpoint
 from quantkit.calibration.capture import run_capture
+from quantkit.calibration.context import paired_spans, reference_samples, reference_share
 from quantkit.calibration.jobs import ArtifactJob, LayerJob, PassJob
 from quantkit.calibration.stats import ReferenceHessian, output_projection
 from quantkit.eval.harness import window_logits
@@ -180,6 +181,63 @@ def test_a_reference_job_also_sees_the_unquantized_models_inputs(tmp_path, key):
     # and the job's own stream did move away from it (its weights were scaled)
     last = model.num_layers - 1, model.block(model.num_layers - 1).groups[0].linears
     assert not torch.allclose(torch.cat(rec.seen[last]), torch.cat(rec.references[last]), atol=1e-3)
+
+
+def test_a_reference_share_pairs_the_first_windows_of_every_batch(tmp_path, monkeypatch):
+    """With `reference = 0.5` the reference stream carries the first half (rounded up) of every batch's windows:
+    each group's reference inputs are the unquantized model's for exactly those windows, batch after batch, while
+    the job's own inputs still cover every window."""
+    from quantkit.calibration import capture
+    monkeypatch.setattr(capture, "batch_for", lambda seqlen: 2)
+    folder = family_checkpoint(tmp_path, "llama")
+    model = Checkpoint(folder)
+    tokens = torch.randint(0, 64, (5, 24), generator=torch.Generator().manual_seed(4))
+    rec = ReferenceRecorder(0.9)
+    rec.reference = 0.5
+    run_capture(model, tokens, [rec], device=torch.device("cpu"), compute_dtype=torch.float32)
+    hf = hf_model(folder)
+    layers = hf_layers(hf, model)
+    paired = torch.tensor([0, 2, 4])        # batches {0, 1}, {2, 3}, {4}: the first window of each
+    for i in range(model.num_layers):
+        for group in model.block(i).groups:
+            refs = rec.references[(i, group.linears)]
+            assert [r.shape[0] for r in refs] == [24, 24, 24]
+            assert sum(x.shape[0] for x in rec.seen[(i, group.linears)]) == 5 * 24
+            expected = hf_group_inputs(hf, layers, tokens[paired], i, group.linears[0])
+            torch.testing.assert_close(torch.cat(refs), expected, atol=1e-4, rtol=1e-4, msg=f"{i} {group.linears}")
+
+
+def test_how_a_reference_share_is_laid_out_and_raised_for_few_tokens():
+    assert [p for _, p in paired_spans(11, 4, 0.5)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert reference_samples(11, 4, 0.5).tolist() == [0, 1, 4, 5, 8, 9]
+    assert reference_samples(3, 8, 0.01).tolist() == [0]            # at least one window of each batch
+    assert reference_samples(5, 2, 1.0).tolist() == [0, 1, 2, 3, 4]
+
+    class Job(PassJob):
+        reference, reference_tokens = 0.5, 1000
+    assert reference_share(Job, 40, 100) == 0.5
+    assert reference_share(Job, 16, 100) == 1000 / 1600               # raised to pair 1000 tokens
+    assert reference_share(Job, 4, 100) == 1.0                        # fewer than that: all of them
+    assert reference_share(PassJob(), 40, 100) == 0
+
+
+def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
+    """A reference for the first rows of a batch (or none) counts every row in H and only the paired ones in D."""
+    g = torch.Generator().manual_seed(1)
+    K = 12
+    acc = ReferenceHessian(K, "cpu")
+    xs, pairs = [], []
+    for paired in (4, 0, 10, 7):
+        x = torch.randn(10, K, generator=g)
+        ref = x[:paired] + 0.1 * torch.randn(paired, K, generator=g)
+        acc.add(x, reference=ref if paired else None)
+        xs.append(x)
+        pairs.append((x[:paired], ref))
+    X = torch.cat(xs)
+    torch.testing.assert_close(acc.H, X.T @ X / X.shape[0])
+    Xp, R = (torch.cat(t) for t in zip(*pairs))
+    torch.testing.assert_close(acc.D, (R - Xp).T @ Xp / Xp.shape[0])
+    assert acc.reference_rows == 21
 
 
 class Folder(PassJob):

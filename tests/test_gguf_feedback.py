@@ -207,8 +207,13 @@ def test_a_failure_in_the_pass_leaves_nothing(tiny_gguf_source, calib_text, tmp_
     assert not list((tmp_path / "out").iterdir())
 
 
-def test_an_interrupted_run_resumes_to_the_same_bytes(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
+@pytest.mark.parametrize("paired_tokens", [32768, 0], ids=["every window paired", "half of them"])
+def test_an_interrupted_run_resumes_to_the_same_bytes(tiny_gguf_source, calib_text, tmp_path, monkeypatch,
+                                                       paired_tokens):
+    """The commit point keeps the file's own stream and the reference's together (512 tokens here: all windows
+    paired, unless the floor on paired tokens is lifted and the job's share of half applies)."""
     from quantkit.backends.gguf.feedback_job import FeedbackEncoder
+    monkeypatch.setattr(FeedbackEncoder, "reference_tokens", paired_tokens)
     options = {"error_feedback": True, "calib": str(calib_text), "calib_samples": 8, "calib_seqlen": 64,
                "tokenizer_pre": "gpt-2"}
     [whole] = api.convert(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path / "whole", options=dict(options))
