@@ -234,10 +234,11 @@ def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
         xs.append(x)
         pairs.append((x[:paired], ref))
     X = torch.cat(xs)
-    torch.testing.assert_close(acc.H, X.T @ X / X.shape[0])
+    torch.testing.assert_close(acc.value(), X.T @ X / X.shape[0])
     Xp, R = (torch.cat(t) for t in zip(*pairs))
     torch.testing.assert_close(acc.D, (R - Xp).T @ Xp / Xp.shape[0])
-    assert acc.reference_rows == 21
+    assert acc.rows == 40 and acc.paired.rows == 21
+    torch.testing.assert_close(acc.paired_value(), Xp.T @ Xp / Xp.shape[0])
 
 
 class Folder(PassJob):
@@ -276,7 +277,7 @@ def test_a_projected_reference_hessian_keeps_the_same_w_times_d():
         full.add(x, reference=ref)
         projected.add(x, reference=ref, project=W if paired else None)
     assert projected.projected and projected.D.shape == (O, K) and full.D.shape == (K, K)
-    assert torch.allclose(projected.H, full.H)
+    assert torch.allclose(projected.value(), full.value())
     rows = torch.arange(10, 30)
     assert torch.allclose(projected.shift(W[rows], rows), full.shift(W[rows]), rtol=1e-4, atol=1e-5)
     # the choice: W·D where it is cheaper to keep (2·O < K), D otherwise

@@ -251,3 +251,42 @@ def test_the_dry_run_counts_the_pass_and_the_scratch_file(tiny_gguf_source, cali
     assert fb.resources.spill_disk == linears > 0
     assert fb.resources.own_seconds > plain.resources.own_seconds
     assert "error feedback's pass" in fb.extra["time (estimate)"]
+    # 512 tokens: every window is paired (two streams); --feedback-reference 0 carries none
+    [own] = api.plan(str(tiny_gguf_source), ["gguf:Q4_K_M"], tmp_path,
+                     options={**options, "error_feedback": True, "feedback_reference": 0})
+    assert fb.resources.stream == 2 * own.resources.stream > 0
+
+
+@pytest.mark.parametrize("flags, says", [(["--error-feedback", "--feedback-reference", "1.5"], "from 0 to 1"),
+                                         (["--feedback-reference", "0.5"], "--error-feedback")])
+def test_a_bad_feedback_reference_is_refused_in_one_line(tiny_gguf_source, calib_text, tmp_path, flags, says):
+    r = run_cli("convert", str(tiny_gguf_source), "-o", str(tmp_path), "-f", "gguf:Q4_K_M", "--calib", str(calib_text),
+                *CALIB, *flags)
+    assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_without_a_reference_it_aims_at_its_own_inputs_output(tiny_gguf_source, calib_text, tmp_path, monkeypatch):
+    """--feedback-reference 0: the pass carries no reference stream (no group gets one) and each linear aims at
+    W·x, as GPTQ does; another file than the paired one, and its record says which target it took."""
+    from quantkit.backends.gguf.feedback_job import FeedbackEncoder
+    from quantkit.publish.record import read_record
+    options = {"error_feedback": True, "calib": str(calib_text), "calib_samples": 8, "calib_seqlen": 64,
+               "tokenizer_pre": "gpt-2", "resume": False}
+    seen = []
+    real = FeedbackEncoder.observe
+
+    def observe(self, ctx, group, x, reference=None):
+        seen.append(reference is not None)
+        return real(self, ctx, group, x, reference)
+    monkeypatch.setattr(FeedbackEncoder, "observe", observe)
+    [own] = api.convert(str(tiny_gguf_source), ["gguf:Q2_K"], tmp_path / "own",
+                        options={**options, "feedback_reference": 0})
+    assert seen and not any(seen)
+    seen.clear()
+    [paired] = api.convert(str(tiny_gguf_source), ["gguf:Q2_K"], tmp_path / "paired", options=dict(options))
+    assert all(seen)
+    assert tensors(own) != tensors(paired)
+    assert "own inputs" in read_record(own)["quantization"]["target"]
+    assert "100% of the calibration windows" in read_record(paired)["quantization"]["target"]

@@ -49,43 +49,66 @@ class HessianAccumulator:
         return self.H
 
 
-class ReferenceHessian(HessianAccumulator):
+class ReferenceHessian:
     """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / m with
     X_ref the unquantized model's inputs for the same tokens: what a quantizer needs to aim at the unquantized
     model's output, W·x_ref, rather than at W·x (the least-squares target is W + W·D·H⁻¹).  The reference may cover
     only the first rows of a batch (the pass carries the unquantized stream for a share of the windows,
-    context.paired_spans): D is the mean over the m rows that have one, an estimate of the same expectation as H's.
-    Batches without a reference (a routed expert's) count in H only; D stays None until one has.
+    context.paired_spans, or none inside a routed expert): D is then the mean over the m rows that have one, and
+    the target's H⁻¹ comes from those same rows (`paired_value`), so that the two estimate one regression of
+    X_ref − X on X: its error then shrinks with what X does not explain, not with all of X_ref − X.  The rows of
+    each kind accumulate apart (one K × K more when both occur) and `value` combines them: every row counts in H.
 
     With `project` (the group's weights W, O × K, see output_projection) D is kept as W·D (O × K) instead:
     W·(X_ref − X)ᵀX / m costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
     (`projected` says which)."""
 
     def __init__(self, features: int, device: torch.device):
-        super().__init__(features, device)
+        self.features, self.device = features, device
+        self.paired: HessianAccumulator | None = None      # the rows with a reference
+        self.unpaired: HessianAccumulator | None = None    # the rest
         self.D: torch.Tensor | None = None
         self.projected = False
-        self.reference_rows = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(part.rows for part in (self.paired, self.unpaired) if part is not None)
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None = None,
             project: torch.Tensor | None = None) -> None:
-        super().add(x)
-        if reference is None:
+        x = x.reshape(-1, x.shape[-1])
+        m = 0 if reference is None else reference.numel() // x.shape[-1]    # a reference is of the first rows
+        if m < x.shape[0]:
+            self.unpaired = self.unpaired or HessianAccumulator(self.features, self.device)
+            self.unpaired.add(x[m:])
+        if not m:
             return
-        reference = reference.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
-        x = x.reshape(-1, x.shape[-1])[:reference.shape[0]].to(self.H.device, torch.float32)   # the paired rows
-        delta = reference - x
+        self.paired = self.paired or HessianAccumulator(self.features, self.device)
+        before = self.paired.rows
+        self.paired.add(x[:m])
+        x = x[:m].to(self.device, torch.float32)
+        delta = reference.reshape(m, -1).to(self.device, torch.float32) - x
         if project is not None:
-            delta = delta @ project.to(self.H.device, torch.float32).T
-        total = self.reference_rows + x.shape[0]
+            delta = delta @ project.to(self.device, torch.float32).T
         if self.D is None:
-            self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.H.device)
+            self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.device)
             self.projected = project is not None
         elif self.projected != (project is not None):
             raise ValueError("a group's reference batches must all be projected or none")
-        self.D.mul_(self.reference_rows / total)
-        self.D.addmm_(delta.T, x, alpha=1.0 / total)
-        self.reference_rows = total
+        self.D.mul_(before / self.paired.rows)
+        self.D.addmm_(delta.T, x, alpha=1.0 / self.paired.rows)
+
+    def value(self) -> torch.Tensor:
+        """H over every row."""
+        parts = [part for part in (self.paired, self.unpaired) if part is not None]
+        if len(parts) == 1:
+            return parts[0].H
+        n = self.rows
+        return parts[0].H * (parts[0].rows / n) + parts[1].H * (parts[1].rows / n)
+
+    def paired_value(self) -> torch.Tensor | None:
+        """H over the rows that have a reference (the target's, see the class docstring), or None."""
+        return None if self.paired is None else self.paired.H
 
     def shift(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
         """W·D for weights W (N × K), or None before any reference: with a projected D, its `rows` (those of

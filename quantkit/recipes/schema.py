@@ -43,6 +43,7 @@ class ConvertOptions(_Strict):
     imatrix_format: Optional[Literal["gguf", "dat"]] = None
     imatrix_file: Optional[str] = None
     error_feedback: bool = False
+    feedback_reference: Optional[float] = Field(None, ge=0, le=1)
     act_order: Optional[bool] = None
     static_groups: Optional[bool] = None
     group_aware: Optional[bool] = None

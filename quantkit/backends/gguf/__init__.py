@@ -47,6 +47,8 @@ class GGUFSettings:
     imatrix_loaded: imatrix_file.Imatrix | None = field(default=None, compare=False)   # --imatrix-file, read
     split_max_bytes: int | None = None             # --split-max-size: llama.cpp's split layout (split.py)
     feedback: bool = False                         # --error-feedback: GPTQ's error feedback (feedback.py)
+    feedback_reference: float = 0.5                # --feedback-reference: share of windows paired with the
+                                                   # unquantized model's (feedback_job.FeedbackEncoder.reference)
 
 
 class GGUFBackend(Backend):
@@ -56,7 +58,8 @@ class GGUFBackend(Backend):
                      "tokenizer_pre": "llama.cpp's pre-tokenizer name", "imatrix": "weights GGUF quantization",
                      "imatrix_file": "weights GGUF quantization", "imatrix_out": "writes GGUF's importance matrix",
                      "imatrix_format": "writes GGUF's importance matrix",
-                     "split_max_size": "splits GGUF files", "error_feedback": "quantizes GGUF with error feedback"}
+                     "split_max_size": "splits GGUF files", "error_feedback": "quantizes GGUF with error feedback",
+                     "feedback_reference": "aims GGUF's error feedback"}
 
     def settings(self, options: dict) -> GGUFSettings:
         out, fmt, loaded = imatrix_file.file_options(options, collecting=bool(options.get("imatrix")))
@@ -66,7 +69,8 @@ class GGUFBackend(Backend):
                             imatrix=bool(options.get("imatrix")),
                             imatrix_out=out, imatrix_format=fmt, imatrix_loaded=loaded,
                             split_max_bytes=parse_size(options["split_max_size"]) if options.get("split_max_size") else None,
-                            feedback=bool(options.get("error_feedback")))
+                            feedback=bool(options.get("error_feedback")),
+                            feedback_reference=_feedback_reference(options))
 
     def pass_jobs(self, model, items, settings: GGUFSettings) -> list:
         """The importance matrix, when asked for: llama-imatrix's statistics from the shared capture pass; with
@@ -78,8 +82,8 @@ class GGUFBackend(Backend):
             jobs.append(ImatrixCollector(model, device))
         if settings.feedback:
             from .feedback_job import FeedbackEncoder
-            jobs += [FeedbackEncoder(model, spec.name, Path(plan.output), _planned_types(plan), device)
-                     for spec, plan in items]
+            jobs += [FeedbackEncoder(model, spec.name, Path(plan.output), _planned_types(plan), device,
+                                     reference=settings.feedback_reference) for spec, plan in items]
         return jobs
 
     def variants(self) -> list[str]:
@@ -163,11 +167,9 @@ class GGUFBackend(Backend):
                 collect = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, SquareMeanAccumulator)
                 text += f" + {collect:.0f} s for the importance matrix's pass"
             if settings.feedback:
-                from .feedback_job import FeedbackEncoder
                 # two streams: the file's own and the unquantized model's (its reference), as the pass walks them
                 feedback_pass = pass_seconds(model, run.calib_samples, run.calib_seqlen, device, ReferenceHessian,
-                                             reference=reference_share(FeedbackEncoder, run.calib_samples,
-                                                                       run.calib_seqlen))
+                                             reference=_paired_share(settings))
                 feedback_own = _feedback_seconds(model, rows, device)
                 text += f" + {feedback_pass + feedback_own:.0f} s for the error feedback's pass"
             plan.extra["time (estimate)"] = text
@@ -183,11 +185,11 @@ class GGUFBackend(Backend):
             # its own pass with two streams (its own, and the unquantized model's for a share of the windows), a
             # second copy of the layer's weights for the latter; a layer's linears (float32, three copies), one
             # Hessian and its reference term
-            from .feedback_job import HEAD_ROWS, FeedbackEncoder, head_tensor
+            from .feedback_job import HEAD_ROWS, head_tensor
             r = plan.resources
             run = settings.run
-            share = reference_share(FeedbackEncoder, run.calib_samples, run.calib_seqlen)
-            reference_windows = len(reference_samples(run.calib_samples, batch_for(run.calib_seqlen), share))
+            share = _paired_share(settings)
+            reference_windows = len(reference_samples(run.calib_samples, batch_for(run.calib_seqlen), share)) if share else 0
             widest = max(lin.in_features for lin in model.stored_linears[0])
             tallest = max(lin.in_features * lin.out_features for lin in model.stored_linears[0])
             layer = sum(lin.in_features * lin.out_features for lin in model.stored_linears[0]) * 4
@@ -252,8 +254,12 @@ class GGUFBackend(Backend):
     def record_fields(self, settings: GGUFSettings, collected: list) -> dict:
         """What the files' records hold beyond their bytes: how the rounding was weighted and from which
         calibration tokens (the card shows the method beside the type)."""
+        target = None
         if settings.feedback:
             method, importance = "error feedback", "the calibration pass's mean squares (diag of each Hessian)"
+            share = _paired_share(settings)
+            target = (f"the unquantized model's outputs, paired for {share:.0%} of the calibration windows" if share
+                      else "each linear's output on its own inputs (GPTQ's)")
         elif settings.imatrix or settings.imatrix_loaded is not None:
             method = "importance matrix"
             importance = (settings.imatrix_loaded.describe() if settings.imatrix_loaded is not None
@@ -261,6 +267,8 @@ class GGUFBackend(Backend):
         else:
             return {}
         fields = {"quantization": {"method": method, "importance": importance}}
+        if target:
+            fields["quantization"]["target"] = target
         calibration = next((c.calibration for c in collected if c.calibration is not None), None)
         if calibration is not None:
             fields["calibration"] = calibration.to_json()
@@ -388,3 +396,23 @@ def _estimate_seconds(rows, device: torch.device, imatrix: bool) -> tuple[float,
 
 
 BACKEND = GGUFBackend()
+
+
+def _feedback_reference(options: dict) -> float:
+    """--feedback-reference SHARE, checked: a share of the windows, and only with --error-feedback."""
+    from .feedback_job import FeedbackEncoder
+    value = options.get("feedback_reference")
+    if value is None:
+        return FeedbackEncoder.reference
+    if not options.get("error_feedback"):
+        raise UsageError("--feedback-reference aims --error-feedback; add --error-feedback or drop it")
+    if not 0 <= float(value) <= 1:
+        raise UsageError(f"--feedback-reference {value}: a share of the calibration windows, from 0 to 1")
+    return float(value)
+
+
+def _paired_share(settings: GGUFSettings) -> float:
+    """The share of the run's windows the error feedback's reference stream will pair (capture.reference_share)."""
+    from .feedback_job import FeedbackEncoder
+    job = SimpleNamespace(reference=settings.feedback_reference, reference_tokens=FeedbackEncoder.reference_tokens)
+    return reference_share(job, settings.run.calib_samples, settings.run.calib_seqlen)

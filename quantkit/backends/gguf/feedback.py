@@ -102,10 +102,12 @@ def toward_reference(W: torch.Tensor, H: torch.Tensor, WD: torch.Tensor, damp: f
 
 def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationType,
                       importance: torch.Tensor | None = None, settings: GPTQSettings = GPTQSettings(),
-                      reference: torch.Tensor | None = None) -> FeedbackResult:
+                      reference: torch.Tensor | None = None,
+                      reference_hessian: torch.Tensor | None = None) -> FeedbackResult:
     """Quantize W (N, K) to `qtype` given H (K, K); `importance` (K,) weights the search (default: diag H,
     the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D of
-    `toward_reference`, to aim at the unquantized model's output instead of W·x."""
+    `toward_reference`, to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
+    the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian)."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in SUPPORTED:
         raise ValueError(f"error feedback does not cover {qtype.name}")
@@ -122,7 +124,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     if importance is None:
         importance = torch.diag(H).clone()
     if reference is not None:
-        W = toward_reference(W, H, reference, REFERENCE_DAMP)
+        W = toward_reference(W, H if reference_hessian is None else reference_hessian, reference, REFERENCE_DAMP)
     importance = importance.float().cpu()
     dead = torch.diag(H) == 0      # inputs that never fire: their columns take no error and give none
     H[dead, dead] = 1

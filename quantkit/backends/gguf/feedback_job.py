@@ -43,8 +43,10 @@ class FeedbackEncoder(PassJob):
     reference_tokens = 32768
 
     def __init__(self, model, file_type: str, output: Path, types: dict[str, gguf.GGMLQuantizationType],
-                 device: torch.device):
+                 device: torch.device, reference: float | None = None):
         self.model, self.types, self.device = model, types, device
+        if reference is not None:    # --feedback-reference: 0 aims at W·x (GPTQ's target), 1 pairs every window
+            self.reference = reference
         self.label = f"gguf:{file_type} error feedback"
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
@@ -92,7 +94,8 @@ class FeedbackEncoder(PassJob):
             if qtype in feedback.SUPPORTED:
                 rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
                                   for p in parts])
-                r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows))
+                r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows),
+                                               reference_hessian=acc.paired_value())
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
                                  "damp": r.damp, "loss": r.loss})
@@ -125,8 +128,9 @@ class FeedbackEncoder(PassJob):
         loss = 0.0
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
-            shift = acc.shift(rows) if isinstance(acc, ReferenceHessian) else None
-            r = feedback.feedback_quantize(rows, H, qtype, reference=shift)
+            paired = isinstance(acc, ReferenceHessian)
+            r = feedback.feedback_quantize(rows, H, qtype, reference=acc.shift(rows) if paired else None,
+                                           reference_hessian=acc.paired_value() if paired else None)
             if start == 0:
                 self._put(self.head, r.data)
             else:
