@@ -3,13 +3,14 @@ quants of the same file type, all from the same calibration tokens, evaluated in
 
 For each model and file type: quantkit writes the plain file, the importance-matrix file (byte-identical to
 llama-quantize --imatrix with llama-imatrix's matrix of the same tokens: bench/imatrix_llamacpp.py) and the
-error-feedback file; each runs in llama.cpp (llama-cpp-python) on wikitext-2 test against the original model:
+error-feedback files (the default target, and with every calibration window paired with the unquantized model's,
+--feedback-reference 1); each runs in llama.cpp (llama-cpp-python) on wikitext-2 test against the original model:
 perplexity, mean KL divergence, top-1 agreement, file size.  The time reference is quantkit's GPTQ
 (gptq:4bit-g128) on the same model and tokens (goal: error feedback ≤ 1.5× its time).
 
     python bench/gguf_feedback.py [--models demo,qwen] [--types Q4_K_M,Q3_K_M,Q2_K] [--samples 128]
                                   [--seqlen 512] [--windows 40] [--no-reference]
-                                  [--methods plain,imatrix,"error feedback"]
+                                  [--methods "plain|imatrix|error feedback|error feedback, all windows paired"]
 
 qwen is Qwen2.5-Coder-1.5B-Instruct as ../shared/models/build.sh builds it.  Each step runs in its own process
 (bench/measure.py: wall time, peak RSS); the rows not rerun (other models, types or methods) are kept from the
@@ -35,7 +36,9 @@ SHARED = ROOT.parent / "shared"
 CALIB = SHARED / "data" / "wikitext2-valid.txt"
 TEST = SHARED / "data" / "wikitext2-test.raw.txt"
 QK = [sys.executable, "-m", "quantkit"]
-METHODS = {"plain": [], "imatrix": ["--imatrix"], "error feedback": ["--error-feedback"]}
+METHODS = {"plain": [], "imatrix": ["--imatrix"], "error feedback": ["--error-feedback"],
+           # the default pairs half of the windows with the unquantized model's above 32 k tokens; this pairs all
+           "error feedback, all windows paired": ["--error-feedback", "--feedback-reference", "1"]}
 TYPES = ["Q4_K_M", "Q3_K_M", "Q2_K"]
 
 
@@ -142,9 +145,10 @@ def write(rows: list[dict], a) -> None:
               "| --- | ---: | --- | --- |"]
     for model in dict.fromkeys(r["model"] for r in rows):
         g = next((r for r in rows if r["model"] == model and r["type"].startswith("gptq")), None)
-        fb = [r for r in rows if r["model"] == model and r["method"] == "error feedback"]
+        fb = [r for r in rows if r["model"] == model and r["method"].startswith("error feedback")]
         if g and fb:
-            lines.append(f"| {model} | {g['wall_s']} ({g.get('date', '')}) | " + ", ".join(f"{r['type']} {r['wall_s']}" for r in fb)
+            name = lambda r: r["type"] + ("" if r["method"] == "error feedback" else " (all windows paired)")
+            lines.append(f"| {model} | {g['wall_s']} ({g.get('date', '')}) | " + ", ".join(f"{name(r)} {r['wall_s']}" for r in fb)
                          + " | " + ", ".join(f"{r['wall_s'] / g['wall_s']:.2f}" for r in fb) + " |")
     lines += ["", "Times from different days (each row's date) compare less well than those of one run: this "
               "machine's speed varies from day to day.",
@@ -162,8 +166,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="keep the committed GPTQ time reference of the model instead of rerunning it")
-    ap.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","),
-                    help="which of plain, imatrix, error feedback to rerun (the others' committed rows are kept)")
+    ap.add_argument("--methods", default="|".join(METHODS), type=lambda s: s.split("|"),
+                    help="which of the METHODS to rerun, |-separated (the others' committed rows are kept)")
     ap.add_argument("--render", action="store_true", help="only rewrite the Markdown from the committed JSON")
     a = ap.parse_args()
     if a.render:
