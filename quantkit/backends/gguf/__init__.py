@@ -199,7 +199,9 @@ class GGUFBackend(Backend):
             # a slice's float32 rows, the feedback's working copies and the block search: ~17 bytes per weight
             # measured on the demo's head (2026-12-05: +216 MB over the pass for its 16384 × 576 slices)
             head_ram = head * 2 + 20 * min(model.config.vocab_size, HEAD_ROWS) * model.config.hidden_size
-            r.own_ram = r.stream + layer + 4 * widest ** 2 * 4 + max(12 * tallest, head_ram)
+            # K × K float32s: H and its working copies; with a share, the paired rows' H apart (stats.ReferenceHessian)
+            squares = 5 if 0 < share < 1 else 4
+            r.own_ram = r.stream + layer + squares * widest ** 2 * 4 + max(12 * tallest, head_ram)
             r.forward_seconds += feedback_pass
             r.own_seconds += feedback_own
             r.after_pass_ram, r.written_after_pass = largest * ENCODE_BYTES_PER_WEIGHT, True
@@ -406,9 +408,13 @@ def _feedback_reference(options: dict) -> float:
         return FeedbackEncoder.reference
     if not options.get("error_feedback"):
         raise UsageError("--feedback-reference aims --error-feedback; add --error-feedback or drop it")
-    if not 0 <= float(value) <= 1:
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if not 0 <= share <= 1:
         raise UsageError(f"--feedback-reference {value}: a share of the calibration windows, from 0 to 1")
-    return float(value)
+    return share
 
 
 def _paired_share(settings: GGUFSettings) -> float:

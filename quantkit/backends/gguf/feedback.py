@@ -34,7 +34,10 @@ inputs to the unquantized model's outputs, so the same loop makes Q·x close to 
 what the layers before it lost, where its inputs let it (the asymmetric target of GPTAQ, Li et al. 2025; the
 formula here is the plain least-squares one).  Measured on the demo at Q4_K_M, 128 × 512 calibration tokens,
 wikitext-2 test in llama.cpp, same machine: mean KLD 0.0177 against 0.0265 without it (perplexity 29.66 against
-29.82; the imatrix file: 0.0371, 30.03).
+29.82; the imatrix file: 0.0371, 30.03).  The reference stream costs about what the rest of the pass does, so by
+default it covers half of the windows above 32 k tokens (calibration.context.reference_share), and the H⁻¹ of
+the target is then that of the paired rows, D's own (`reference_hessian`): 0.0190 (2026-12-07), where H over
+every row gave 0.0209.
 
 The result is an ordinary block of the same type: same file size to the byte, loaded by every llama.cpp.
 """
