@@ -130,12 +130,15 @@ class LayerContext:
 
 def reference_share(job, windows: int, seqlen: int) -> float:
     """The share of the calibration windows for which `job` also gets the unquantized model's inputs (jobs.py):
-    its `reference` (0: none, True: all), raised so that at least its `reference_tokens` tokens are paired when the
-    windows hold that many (a reference estimated from few tokens is noisy)."""
-    share = float(getattr(job, "reference", 0) or 0)
-    floor = getattr(job, "reference_tokens", 0)
-    if share and floor:
-        share = max(share, min(1.0, floor / max(windows * seqlen, 1)))
+    its `reference` (0: none, True: all) and `reference_tokens` as paired_share takes them."""
+    return paired_share(float(getattr(job, "reference", 0) or 0), getattr(job, "reference_tokens", 0), windows, seqlen)
+
+
+def paired_share(share: float, floor_tokens: int, windows: int, seqlen: int) -> float:
+    """`share` of the windows, raised so that at least `floor_tokens` tokens are paired when the windows hold that
+    many (a reference estimated from few tokens is noisy)."""
+    if share and floor_tokens:
+        share = max(share, min(1.0, floor_tokens / max(windows * seqlen, 1)))
     return min(share, 1.0)
 
 

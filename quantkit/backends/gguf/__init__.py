@@ -14,7 +14,7 @@ import torch
 from .. import Backend, Plan, PlanRow
 from ...artifact import model_base_name, model_stem
 from ...calibration.capture import batch_for
-from ...calibration.context import reference_samples, reference_share
+from ...calibration.context import paired_share, reference_samples
 from ...calibration.stats import ReferenceHessian, SquareMeanAccumulator
 from ...device import resolve_device
 from ...errors import UsageError
@@ -418,7 +418,8 @@ def _feedback_reference(options: dict) -> float:
 
 
 def _paired_share(settings: GGUFSettings) -> float:
-    """The share of the run's windows the error feedback's reference stream will pair (capture.reference_share)."""
+    """The share of the run's windows the error feedback's reference stream will pair (as the capture pass will
+    find it: context.reference_share)."""
     from .feedback_job import FeedbackEncoder
-    job = SimpleNamespace(reference=settings.feedback_reference, reference_tokens=FeedbackEncoder.reference_tokens)
-    return reference_share(job, settings.run.calib_samples, settings.run.calib_seqlen)
+    return paired_share(settings.feedback_reference, FeedbackEncoder.reference_tokens, settings.run.calib_samples,
+                        settings.run.calib_seqlen)

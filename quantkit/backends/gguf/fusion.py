@@ -135,7 +135,7 @@ def _source_key() -> str:
     fused functions."""
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in ("fusion.py", "encoders.py", "exact.py", "neighbours.py", "iq1_splits.py"):
+    for f in ("fusion.py", "encoders.py", "exact.py", "neighbours.py", "iq1_splits.py", "grid_encoders.py"):
         h.update((here / f).read_bytes())
     h.update(f"{torch.__version__}|{_INDUCTOR_OPTIONS}|{_PORTABLE}|{_PORTABLE_ISA}".encode())
     return h.hexdigest()[:16]

@@ -20,7 +20,11 @@ scale.  llama.cpp's search, per sub-block (the numbers of each type are the _Lat
    scales nearest_int((s/d - 1) / 2).
 
 Every step is the same float32 operation as the C, sums sequential where the C sums, the first minimum where
-the C keeps the first; one trial is one vector step over all sub-blocks of a chunk.  One quirk is reproduced on
+the C keeps the first.  One trial is two fused kernels over all sub-blocks of a chunk (fusion.py): _trial_points
+rounds every group, looks its levels up on the grid and searches the first candidates of an off-grid group's
+list (_Lattice.row: most lists are that short), _grid_sums scores the sub-blocks; only the groups whose list goes on are picked
+out and searched further between the two.  Op by op, a trial streamed its sub-blocks through memory some forty
+times and the picking out of the off-grid groups cost more than their search.  One quirk is reproduced on
 purpose: IQ3_S does not advance its output pointers past an all-zero sub-block, so the next sub-block's indices
 and signs land in its slot and the last slots stay zero.
 """
@@ -35,7 +39,8 @@ from gguf import GGMLQuantizationType
 
 from .exact import _div, _f16_bytes, _f32, _nearest_int, _recip, _seqsum, _sqrt, _sub
 from .grids import GridTables, grid_tables
-from .neighbours import best_neighbour
+from .fusion import fused
+from .neighbours import _distance, _rows_vec, best_neighbour, nearest_in_lists
 from .qp_search import make_qp_quants
 
 __all__ = ["GRID_ENCODERS", "NEEDS_IMATRIX", "importance_weights"]
@@ -59,13 +64,17 @@ class _Lattice:
     track: bool               # remember which winning groups came from a neighbour list
     redo_all: bool            # step 3 requantizes every group (else only those)
     fudge: float              # d is stored times this
+    # neighbour candidates a trial's kernel searches per group, longer lists going on after it: every group pays
+    # for them, and a group picked out to go on pays ~100 times as much per group (IQ3 and IQ2_S lists hold 9-12
+    # candidates on average, 13 % or fewer of the off-grid groups more than 16; IQ2_XXS 31, IQ2_XS 61)
+    row: int = 16
 
 
 _LATTICES = {
     QT.IQ3_XXS: _Lattice(QT.IQ3_XXS, 32, 8, 15, 0.2, True, 1e-8, 2.0, "x2", False, True, False, 1.0125),
     QT.IQ3_S: _Lattice(QT.IQ3_S, 32, 8, 9, 0.2, False, 0.0, 2.0, "x2", False, True, True, 1.033),
-    QT.IQ2_XXS: _Lattice(QT.IQ2_XXS, 32, 3, 6, 0.1, True, 1e-15, 1.0, None, True, False, True, 1.0),
-    QT.IQ2_XS: _Lattice(QT.IQ2_XS, 16, 3, 9, 0.1, True, 1e-15, 1.0, None, False, True, False, 1.0),
+    QT.IQ2_XXS: _Lattice(QT.IQ2_XXS, 32, 3, 6, 0.1, True, 1e-15, 1.0, None, True, False, True, 1.0, 32),
+    QT.IQ2_XS: _Lattice(QT.IQ2_XS, 16, 3, 9, 0.1, True, 1e-15, 1.0, None, False, True, False, 1.0, 48),
     QT.IQ2_S: _Lattice(QT.IQ2_S, 16, 3, 9, 0.1, False, 1e-8, 2.0, "sigma/4+x2", False, True, False, 0.9875),
 }
 # ggml-quants.c asserts on a missing importance matrix for these
@@ -99,26 +108,125 @@ def _levels(idd, xval, kmax):
     return _nearest_int(0.5 * (idd.unsqueeze(0) * xval - 1.0)).clamp(0, kmax - 1)
 
 
+def _trial_points_vec(xg, wg, idd, index_of, row_of, start, count, packed, flat, kmax: int, bits: int, row: int):
+    """_trial_points op by op (the path without a kernel: CUDA, no compiler)."""
+    shifts = (torch.arange(xg.shape[0], device=xg.device, dtype=torch.int32) * bits).unsqueeze(1)
+    u = (_levels(idd, xg, kmax) << shifts).sum(0, dtype=torch.int32)
+    gi = index_of.view(-1)[u.long()].to(torch.int64)
+    on = gi >= 0
+    d2 = torch.zeros(gi.shape, dtype=_F32, device=gi.device)
+    more = torch.zeros_like(on)
+    off = (~on).nonzero().squeeze(1)
+    if off.numel():
+        lists = row_of.view(-1)[u.index_select(0, off).long()]
+        first, left = start.view(-1)[lists], count.view(-1)[lists]
+        d, at = _rows_vec(xg[:, off], wg[:, off], _recip(idd.index_select(0, off)), None, first, left, packed, bits,
+                          row)
+        gi[off], d2[off], more[off] = flat.view(-1)[first + at], d, left > row
+    return gi, d2, on, u, more
+
+
+@fused(eager=_trial_points_vec)
+def _trial_points(xg, wg, idd, index_of, row_of, start, count, packed, flat, kmax: int, bits: int, row: int):
+    """One search trial's grid points, group by group: xg, wg (dim, G) the groups' magnitudes and neighbour
+    weights, idd (G,) the trial's inverse scale -> the grid index of the rounded levels, or of the nearest of the
+    first `row` candidates of their neighbour list (G,), that candidate's distance (G,), whether the levels were a
+    grid point (G,), their index u (G,), and whether the list goes on past `row` (G,).  The tables are (n, 1): GridTables' index_of,
+    row_of, start, count, packed and flat.  Position by position, so that one kernel does a whole trial."""
+    u = None
+    for i in range(xg.shape[0]):
+        level = _nearest_int(0.5 * (idd * xg[i] - 1.0)).clamp(0, kmax - 1)
+        u = level if u is None else u | (level << (bits * i))
+    grid = index_of.view(-1)[u].to(torch.int64)
+    on = grid >= 0
+    lists = row_of.view(-1)[u].clamp(min=0)
+    first = start.view(-1)[lists]
+    left = torch.where(on, 0, count.view(-1)[lists])
+    scale = _recip(idd)
+    best = at = None
+    for j in range(row):
+        ok = left > j
+        d2 = _distance(packed.view(-1)[torch.where(ok, first + j, 0)], xg, wg, scale, None, bits)
+        if best is None:
+            best, at = d2, torch.zeros_like(first)
+        else:
+            better = ok & (d2 < best)
+            best = torch.where(better, d2, best)
+            at = torch.where(better, j, at)
+    grid = torch.where(on, grid, flat.view(-1)[torch.where(on, 0, first + at)])
+    return grid, torch.where(on, 0.0, best), on, u, left > row
+
+
+def _grid_sums_vec(xval, w, gi, codes, bits: int):
+    """_grid_sums op by op."""
+    L = codes.view(-1)[gi.long()]                                              # packed levels (groups, m)
+    dim = xval.shape[0] // gi.shape[0]
+    shifts = (torch.arange(dim, device=gi.device, dtype=torch.int32) * bits).view(1, dim, 1)
+    L = ((L.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(xval.shape)
+    return _sums(w, xval, L)
+
+
+@fused(eager=_grid_sums_vec)
+def _grid_sums(xval, w, gi, codes, bits: int):
+    """_sums of sub-blocks xval, w (sub, m) whose groups (sub/dim consecutive rows each) take the grid points
+    gi (groups, m); codes (n_grid, 1): GridTables.codes.  Position by position, one kernel."""
+    groups = gi.shape[0]
+    dim = xval.shape[0] // groups
+    sqx = sq2 = None
+    for g in range(groups):
+        code = codes.view(-1)[gi[g]]
+        for i in range(dim):
+            q = (2 * ((code >> (bits * i)) & ((1 << bits) - 1)) + 1).to(_F32)
+            k = g * dim + i
+            tqx, tq2 = w[k] * xval[k] * q, w[k] * q * q
+            sqx, sq2 = (tqx + 0.0, tq2 + 0.0) if sqx is None else (sqx + tqx, sq2 + tq2)
+    return sqx, sq2
+
+
+def _trial(p: _Lattice, tab: GridTables, xg, wg, idd):
+    """One trial's grid point per group (step 2 of the module docstring): the first p.row candidates of an
+    off-grid group's list in the kernel, the rest of the longer lists after it.  xg, wg (dim, G) by group,
+    idd (m,) -> (grid indices (G,), on the grid (G,))."""
+    idd = idd.repeat(xg.shape[1] // idd.numel())
+    gi, d2, on, u, more = _trial_points(xg, wg, idd, tab.index_of.view(-1, 1), tab.row_of.view(-1, 1),
+                                        tab.start.view(-1, 1), tab.count.view(-1, 1), tab.packed,
+                                        tab.flat.view(-1, 1), p.kmax, tab.bits, p.row)
+    if bool(more.any()):
+        cols = more.nonzero().squeeze(1)
+        lists = tab.row_of[u.index_select(0, cols).long()]
+        start = tab.start[lists] + p.row
+        d2_rest, place = nearest_in_lists(tab, start, tab.count[lists] - p.row, xg[:, cols], wg[:, cols],
+                                          _recip(idd.index_select(0, cols)))
+        better = d2_rest < d2.index_select(0, cols)             # the C keeps the first of equal distances
+        gi[cols] = torch.where(better, tab.flat.index_select(0, start + place), gi.index_select(0, cols))
+    return gi, on
+
+
 def _search(p: _Lattice, tab: GridTables, xval, w, waux, top, scale):
     """Steps 2-3 of the module docstring for m sub-blocks: xval, w, waux (sub, m); top, the starting scale
     (m,) -> levels (sub, m) int32 and scale (m,)."""
     sub, m = xval.shape
     groups = sub // tab.dim
     best = torch.zeros(m, dtype=_F32, device=xval.device)
-    L = torch.zeros((sub, m), dtype=torch.int32, device=xval.device)
+    won = torch.zeros(m, dtype=torch.bool, device=xval.device)
+    gi = torch.zeros((groups, m), dtype=torch.int64, device=xval.device)
     on_grid = torch.full((groups, m), p.track and not p.redo_all, dtype=torch.bool, device=xval.device)
     base = np.float32(2 * p.kmax - 1)
     xg, wg = tab.by_group(xval), tab.by_group(waux)
+    codes = tab.codes.view(-1, 1)
     for k in range(-p.trials, p.trials + 1):
         idd = _div(_f32(base + np.float32(k) * np.float32(p.step)), top)
-        Laux, on = _snap(tab, _levels(idd, xval, p.kmax), xg, wg, _recip(idd))
-        sumqx, sumq2 = _sums(w, xval, Laux)
+        g_k, on = _trial(p, tab, xg, wg, idd)
+        g_k, on = g_k.view(groups, m), on.view(groups, m)
+        sumqx, sumq2 = _grid_sums(xval, w, g_k, codes, tab.bits)
         take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
         scale = torch.where(take, _div(sumqx, sumq2), scale)
         best = torch.where(take, scale * sumqx, best)
-        L = torch.where(take.unsqueeze(0), Laux, L)
+        won |= take
+        gi = torch.where(take.unsqueeze(0), g_k, gi)
         if p.track:
             on_grid = torch.where(take.unsqueeze(0), on, on_grid)
+    L = tab.levels[gi].permute(0, 2, 1).reshape(sub, m).masked_fill(~won.unsqueeze(0), 0)
     redo = (~on_grid).any(0) & (scale > 0)
     if bool(redo.any()):
         cols = redo.nonzero().squeeze(1)

@@ -49,6 +49,7 @@ class GridTables:
     count: torch.Tensor        # (lists,) int64: its length
     flat: torch.Tensor         # (Σ count,) int64: the candidates (grid indices), list after list
     packed: torch.Tensor       # (Σ count, 1) int32: the levels of each of `flat`'s candidates, l_i << bits·i
+    codes: torch.Tensor        # (n_grid,) int32: each grid point's levels the same way (its index u)
     bits: int
     dim: int
 
@@ -68,7 +69,7 @@ class GridTables:
         if self.levels.device == torch.device(device):
             return self
         return GridTables(*(getattr(self, f).to(device) for f in
-                            ("levels", "index_of", "row_of", "start", "count", "flat", "packed")),
+                            ("levels", "index_of", "row_of", "start", "count", "flat", "packed", "codes")),
                           self.bits, self.dim)
 
 
@@ -132,4 +133,5 @@ def grid_tables(qtype: GGMLQuantizationType) -> GridTables:
                       start=torch.from_numpy(start), count=torch.from_numpy(count),
                       flat=torch.from_numpy(flat),
                       packed=torch.from_numpy(code[flat].astype(np.int32).reshape(-1, 1)),
+                      codes=torch.from_numpy(code.astype(np.int32)),
                       bits=bits, dim=dim)

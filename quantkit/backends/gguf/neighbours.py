@@ -22,7 +22,7 @@ import torch
 from .fusion import fused
 from .grids import GridTables
 
-__all__ = ["best_neighbour", "ROW"]
+__all__ = ["best_neighbour", "nearest_in_lists", "ROW"]
 
 _F32 = torch.float32
 ROW = 16                    # candidates per row: the kernel's unrolled loop
@@ -47,9 +47,9 @@ def _distance(p, x, w, s, values, bits: int):
     return d2
 
 
-def _rows_vec(x, w, s, values, first, left, packed, bits: int):
-    """_nearest_in_rows op by op over all ROW places at once (the path without a kernel: CUDA, no compiler)."""
-    place = torch.arange(ROW, device=x.device).unsqueeze(1)
+def _rows_vec(x, w, s, values, first, left, packed, bits: int, row: int = ROW):
+    """_nearest_in_rows op by op over all `row` places at once (the path without a kernel: CUDA, no compiler)."""
+    place = torch.arange(row, device=x.device).unsqueeze(1)
     ok = left.unsqueeze(0) > place                                           # (ROW, R)
     p = packed.view(-1)[torch.where(ok, first.unsqueeze(0) + place, 0)]
     d2 = torch.where(ok, _distance(p, x, w, s, values, bits), torch.tensor(float("inf"), device=x.device))
@@ -81,10 +81,18 @@ def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: t
     """For off-grid groups: u (g,) their level index, xval / waux (dim, g), scale (g,), the level values
     (2**bits, g) or None for the odd integers 2l + 1 -> the grid index (g,) of the first candidate of u's list
     with the least Σ waux·(scale·q - x)²."""
-    g = u.numel()
-    dev = u.device
     lists = tab.row_of[u]
-    count, start = tab.count[lists], tab.start[lists]
+    start = tab.start[lists]
+    _, place = nearest_in_lists(tab, start, tab.count[lists], xval, waux, scale, values)
+    return tab.flat.index_select(0, start + place)
+
+
+def nearest_in_lists(tab: GridTables, start: torch.Tensor, count: torch.Tensor, xval: torch.Tensor,
+                     waux: torch.Tensor, scale: torch.Tensor, values: torch.Tensor | None = None):
+    """The search of best_neighbour over the runs count (g,) >= 1 of tab.flat's candidates from start (g,) ->
+    (least distance (g,), its first place in the run (g,))."""
+    g = start.numel()
+    dev = start.device
     n_rows = (count + (ROW - 1)) // ROW
     if bool((n_rows == 1).all()):
         group, step = None, torch.zeros_like(count)
@@ -105,5 +113,7 @@ def best_neighbour(tab: GridTables, u: torch.Tensor, xval: torch.Tensor, waux: t
         # distances are >= +0, so their float32 bits order as they do; the place below them keeps the first of
         # equal ones; the key (< 2**40) is exact in float64
         key = ((d2.view(torch.int32).to(torch.int64) << _PLACE_BITS) | place).double()
-        place = torch.segment_reduce(key, "min", lengths=n_rows).to(torch.int64) & ((1 << _PLACE_BITS) - 1)
-    return tab.flat.index_select(0, start + place)
+        best = torch.segment_reduce(key, "min", lengths=n_rows).to(torch.int64)
+        place = best & ((1 << _PLACE_BITS) - 1)
+        d2 = (best >> _PLACE_BITS).to(torch.int32).view(_F32)
+    return d2, place
