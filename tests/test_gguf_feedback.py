@@ -60,6 +60,36 @@ def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
     assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(W)).weight, plain.weight)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)
+def test_each_row_keeps_the_better_of_the_loop_and_the_plain_search(qtype):
+    """Weights that already sit on the type's grid (a checkpoint dequantized from a GGUF of that type), inputs
+    slightly disturbed: aimed at the reference through the column loop they leave the grid and come out worse
+    than the importance-weighted search of the original rows; each row keeps the better of the two, so the
+    file beats both.  A layer that never went through the grid keeps the loop's rows."""
+    W, X_ref = layer(K=1024, N=128, tokens=4096, seed=3)
+    on_grid = encoders.dequantize(encoders.quantize(W, qtype), qtype, W.shape).bfloat16().float()
+    K = X_ref.shape[1]
+    g = torch.Generator().manual_seed(4)
+    X = (X_ref @ (torch.eye(K) + 0.02 * torch.randn(K, K, generator=g) / K ** 0.5)
+         + 0.02 * torch.randn(X_ref.shape, generator=g))
+    H, D = X.T @ X / X.shape[0], (X_ref - X).T @ X / X.shape[0]
+    for weights, kept in ((on_grid, True), (W, False)):
+        error = lambda Wq: float(((X_ref @ weights.T - X @ Wq.T) ** 2).mean())
+        plain = encoders.quantize(weights, qtype, imatrix=torch.diag(H))
+        loop = feedback_quantize(weights, H, qtype, reference=weights @ D, plain_rows=False)
+        best = feedback_quantize(weights, H, qtype, reference=weights @ D)
+        assert torch.equal(encoders.dequantize(best.data, qtype, W.shape), best.weight)
+        from_plain = (best.data == plain).all(1)
+        assert ((best.data == loop.data).all(1) | from_plain).all()   # every row is one of the two, whole
+        assert best.plain_rows == int(from_plain.sum())
+        if kept:
+            assert error(loop.weight) > error(encoders.dequantize(plain, qtype, W.shape))
+            assert best.plain_rows > W.shape[0] // 2
+            assert error(best.weight) < error(encoders.dequantize(plain, qtype, W.shape))
+        else:
+            assert best.plain_rows == 0 and np.array_equal(best.data, loop.data)
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q3_K, QT.Q6_K, QT.Q4_0, QT.IQ4_XS], ids=lambda q: q.name)
 def test_the_first_block_header_is_llama_cpps_choice_for_the_weights(qtype):
     """No error reaches the first block visited (the one holding the most active input) before its search: its
@@ -145,6 +175,9 @@ def test_the_record_and_the_card_name_the_method(files):
         assert record["quantization"]["method"] == method
         assert record["calibration"]["samples"] == 8 and record["calibration"]["seqlen"] == 64
         assert row_for(path, path.name).variant == f"Q4_K_M ({method})"
+    # how many rows kept the plain search instead of the column loop's, per file type of the run
+    kept = read_record(made["feedback"]["Q4_K_M"])["quantization"]["rows_from_the_plain_search"]
+    assert set(kept) == {"Q4_K_M", "Q2_K"} and all(" of " in v and not v.endswith(" of 0") for v in kept.values())
 
 
 @pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python (quantkit[llamacpp]) not installed")

@@ -271,6 +271,9 @@ class GGUFBackend(Backend):
         fields = {"quantization": {"method": method, "importance": importance}}
         if target:
             fields["quantization"]["target"] = target
+            from .feedback_job import FeedbackEncoder
+            kept = {c.file_type: c.plain_rows() for c in collected if isinstance(c, FeedbackEncoder)}
+            fields["quantization"]["rows_from_the_plain_search"] = {t: f"{k:,} of {n:,}" for t, (k, n) in kept.items()}
         calibration = next((c.calibration for c in collected if c.calibration is not None), None)
         if calibration is not None:
             fields["calibration"] = calibration.to_json()

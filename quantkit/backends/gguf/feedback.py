@@ -39,6 +39,15 @@ default it covers half of the windows above 32 k tokens (calibration.context.ref
 the target is then that of the paired rows, D's own (`reference_hessian`): 0.0190 (2026-12-07), where H over
 every row gave 0.0209.
 
+Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
+objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
+candidates scores lower on it: the loop's, or the importance-weighted search of the original row (what the
+imatrix file stores).  The loop is greedy and the target moves the row off any grid it already sat on; a
+checkpoint dequantized from a GGUF of the same type re-finds its grid on the original rows almost exactly
+(Qwen2.5-Coder's, ../shared/models/build.sh), where the target aimed through the loop came out worse than the
+imatrix file (mean KLD 0.0165 against 0.0147, bench/results/gguf_feedback.md).  On a model that never went
+through the grid the loop's rows win nearly everywhere (`plain_rows` counts the others).
+
 The result is an ordinary block of the same type: same file size to the byte, loaded by every llama.cpp.
 """
 from __future__ import annotations
@@ -63,7 +72,8 @@ class FeedbackResult:
     data: np.ndarray        # (N, bytes per row) uint8: the GGUF tensor's rows
     weight: torch.Tensor    # (N, K) float32: what llama.cpp decodes them to
     damp: float             # the dampening used (relative to mean diag H)
-    loss: float             # Σ e² / 2, the proxy GPTQ minimises
+    loss: float             # Σ e² / 2, the proxy GPTQ minimises, over the column loop's rows
+    plain_rows: int = 0     # rows that kept the importance-weighted search of the original weights instead
 
 
 def block_grid(data: np.ndarray, qtype: GGMLQuantizationType, shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,12 +116,14 @@ def toward_reference(W: torch.Tensor, H: torch.Tensor, WD: torch.Tensor, damp: f
 def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationType,
                       importance: torch.Tensor | None = None, settings: GPTQSettings = GPTQSettings(),
                       reference: torch.Tensor | None = None,
-                      reference_hessian: torch.Tensor | None = None) -> FeedbackResult:
+                      reference_hessian: torch.Tensor | None = None, plain_rows: bool = True) -> FeedbackResult:
     """Quantize W (N, K) to `qtype` given H (K, K); `importance` (K,) weights the search (default: diag H,
     the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D of
     `toward_reference`, to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
-    the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian)."""
+    the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian).
+    `plain_rows=False` keeps every row of the column loop (to compare with)."""
     qtype = GGMLQuantizationType(qtype)
+    original, objective = W, H
     if qtype not in SUPPORTED:
         raise ValueError(f"error feedback does not cover {qtype.name}")
     W = W.float().clone()
@@ -129,6 +141,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     if reference is not None:
         W = toward_reference(W, H if reference_hessian is None else reference_hessian, reference, REFERENCE_DAMP)
     importance = importance.float().cpu()
+    target = W
     dead = torch.diag(H) == 0      # inputs that never fire: their columns take no error and give none
     H[dead, dead] = 1
     # The visiting order is free as long as every block is visited whole: the bytes stay in the file's order.
@@ -172,4 +185,15 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
         W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
         loss += 0.5 * Err1.pow(2).sum().item()
     Q = Q[:, torch.argsort(perm)]
-    return FeedbackResult(out, Q, damp, loss)
+    kept = 0
+    if plain_rows:
+        plain = encoders.quantize(original, qtype, imatrix=importance)
+        P = encoders.dequantize(plain, qtype, Q.shape).to(Q.device)
+        # δ_P·H·δ_Pᵀ − δ_Q·H·δ_Qᵀ = (Q − P)·H·(2W' − P − Q)ᵀ for each row (δ = W' − ·, H symmetric): one product
+        gain = ((Q - P) @ objective.to(Q.device, torch.float32)).mul_(2 * target - P - Q).sum(1)
+        better = gain < 0
+        kept = int(better.sum())
+        if kept:
+            out[better.cpu().numpy()] = plain[better.cpu().numpy()]
+            Q[better] = P[better]
+    return FeedbackResult(out, Q, damp, loss, kept)

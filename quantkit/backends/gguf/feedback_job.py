@@ -47,6 +47,7 @@ class FeedbackEncoder(PassJob):
         self.model, self.types, self.device = model, types, device
         if reference is not None:    # --feedback-reference: 0 aims at W·x (GPTQ's target), 1 pairs every window
             self.reference = reference
+        self.file_type = file_type
         self.label = f"gguf:{file_type} error feedback"
         self.spill = Path(output).parent / f".partial-{Path(output).name}.feedback"
         self.by_source = {t.source: t for t in gguf_tensors(model) if t.source and not t.stack}
@@ -98,7 +99,7 @@ class FeedbackEncoder(PassJob):
                                                reference_hessian=acc.paired_value())
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
-                                 "damp": r.damp, "loss": r.loss})
+                                 "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows})
             else:                 # F16/BF16/F32 (a --tensor-type choice): nothing is rounded that feedback could fix
                 data = encoders.quantize(W, qtype, imatrix=torch.diag(H))
                 Wq = encoders.dequantize(data, qtype, W.shape).to(W.device)
@@ -125,7 +126,7 @@ class FeedbackEncoder(PassJob):
         H = acc.value()
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
-        loss = 0.0
+        loss, plain = 0.0, 0
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
             paired = isinstance(acc, ReferenceHessian)
@@ -135,8 +136,9 @@ class FeedbackEncoder(PassJob):
                 self._put(self.head, r.data)
             else:
                 self._append(self.head, r.data)
-            loss += r.loss
-        self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": r.damp, "loss": loss})
+            loss, plain = loss + r.loss, plain + r.plain_rows
+        self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": r.damp, "loss": loss,
+                         "rows": W.shape[0], "plain_rows": plain})
 
     def _put(self, name: str, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
@@ -155,6 +157,10 @@ class FeedbackEncoder(PassJob):
         assert offset + nbytes == self.size, f"{name}: rows appended after another tensor's bytes"
         self._put(name, data)
         self.index[name] = (offset, nbytes + self.index[name][1])
+
+    def plain_rows(self) -> tuple[int, int]:
+        """(rows that kept the plain search, rows fed back in all): feedback.py's choice per row."""
+        return (sum(e.get("plain_rows", 0) for e in self.log), sum(e.get("rows", 0) for e in self.log))
 
     # --- what the writer reads ------------------------------------------------------------------
     def encoded(self, name: str) -> np.ndarray | None:
