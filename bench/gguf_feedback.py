@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import measure  # bench/measure.py
+from quantkit.publish.record import read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work" / "gguf_feedback"
@@ -89,6 +90,9 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
             row = {"model": name, "type": ftype, "method": method, "wall_s": round(wall, 1),
                    "peak_rss_gib": round(rss / 2**30, 3), "bytes": path.stat().st_size,
                    **evaluate(path, spec, a.windows), **protocol}
+            kept = read_record(path).get("quantization", {}).get("rows_from_the_plain_search", {}).get(ftype)
+            if kept:       # rows where the plain search beat the column loop (feedback.py)
+                row["plain_rows"] = kept
             rows.append(row)
             print(row, flush=True)
     return rows
