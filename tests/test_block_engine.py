@@ -237,8 +237,18 @@ def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
     torch.testing.assert_close(acc.value(), X.T @ X / X.shape[0])
     Xp, R = (torch.cat(t) for t in zip(*pairs))
     torch.testing.assert_close(acc.D, (R - Xp).T @ Xp / Xp.shape[0])
-    assert acc.rows == 40 and acc.paired.rows == 21
+    assert acc.rows == 40 and acc.paired_rows == 21
     torch.testing.assert_close(acc.paired_value(), Xp.T @ Xp / Xp.shape[0])
+    # the two halves `folds` gives: the first half of each batch's paired rows, and the rest
+    first = torch.cat([torch.arange(i * 10, i * 10 + p // 2) for i, p in enumerate((4, 0, 10, 7))])
+    rest = torch.cat([torch.arange(i * 10 + p // 2, i * 10 + p) for i, p in enumerate((4, 0, 10, 7))])
+    Xall, Rall = torch.cat(xs), torch.zeros(40, K)
+    Rall[torch.cat([torch.arange(i * 10, i * 10 + p) for i, p in enumerate((4, 0, 10, 7))])] = R
+    W = torch.randn(5, K, generator=g)
+    for (WD, H), part in zip(acc.folds(W), (first, rest)):
+        x, r = Xall[part], Rall[part]
+        torch.testing.assert_close(H, x.T @ x / len(part), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(WD, W @ ((r - x).T @ x / len(part)), rtol=1e-4, atol=1e-5)
 
 
 class Folder(PassJob):

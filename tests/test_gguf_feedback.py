@@ -60,6 +60,41 @@ def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
     assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(W)).weight, plain.weight)
 
 
+def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_to():
+    """The target's regression of x_ref − x on x has a coefficient per input and row.  When the disturbance is a
+    linear function of x, half of the tokens predict the other half and the shift is kept; when it is noise
+    x cannot explain, fitted on few tokens for the width, the regression learns that noise, the halves disagree,
+    and the trust falls, and with it the error on tokens the calibration never saw."""
+    from quantkit.backends.gguf.feedback import REFERENCE_DAMP, reference_trust
+    from quantkit.calibration.stats import ReferenceHessian
+    K, N = 256, 64
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(N, K, generator=g) * 0.05
+    mix = torch.eye(K) + 0.05 * torch.randn(K, K, generator=g) / K ** 0.5
+
+    def tokens(n, linear):
+        X = torch.randn(n, K, generator=g) * (torch.rand(K, generator=g) + 0.5)
+        return X, (X @ mix if linear else X + 0.3 * torch.randn(n, K, generator=g))
+
+    for linear, tokens_per_batch, want in ((True, 2048, lambda a: a.mean() > 0.9),
+                                           (False, 160, lambda a: a.mean() < 0.5)):
+        acc = ReferenceHessian(K, "cpu")
+        for _ in range(2):
+            X, R = tokens(tokens_per_batch, linear)
+            acc.add(X, reference=R)
+        alpha = reference_trust(acc.folds(W), REFERENCE_DAMP, "cpu")
+        assert alpha.shape == (N,) and want(alpha), (linear, alpha.mean())
+        X, R = tokens(8192, linear)          # tokens neither half saw
+        error = lambda Wq: float(((R @ W.T - X @ Wq.T) ** 2).mean())
+        H = acc.value()
+        trusted = feedback_quantize(W, H, QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value(),
+                                    folds=acc.folds(W))
+        full = feedback_quantize(W, H, QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value())
+        assert trusted.trust == pytest.approx(float(alpha.mean()))
+        if not linear:
+            assert error(trusted.weight) < error(full.weight)
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)
 def test_each_row_keeps_the_better_of_the_loop_and_the_plain_search(qtype):
     """Weights that already sit on the type's grid (a checkpoint dequantized from a GGUF of that type), inputs

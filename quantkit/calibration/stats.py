@@ -56,8 +56,11 @@ class ReferenceHessian:
     only the first rows of a batch (the pass carries the unquantized stream for a share of the windows,
     context.paired_spans, or none inside a routed expert): D is then the mean over the m rows that have one, and
     the target's H⁻¹ comes from those same rows (`paired_value`), so that the two estimate one regression of
-    X_ref − X on X: its error then shrinks with what X does not explain, not with all of X_ref − X.  The rows of
-    each kind accumulate apart (one K × K more when both occur) and `value` combines them: every row counts in H.
+    X_ref − X on X: its error then shrinks with what X does not explain, not with all of X_ref − X.
+
+    The paired rows accumulate in two halves (the first half of each batch's, and the rest), so that a quantizer
+    can test the regression fitted on one on the other (`folds`); the unpaired rows apart; `value`, `paired_value`
+    and `D` combine them (every row counts in H).  Each row is added once: the halves cost one K × K more, no time.
 
     With `project` (the group's weights W, O × K, see output_projection) D is kept as W·D (O × K) instead:
     W·(X_ref − X)ᵀX / m costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
@@ -65,14 +68,18 @@ class ReferenceHessian:
 
     def __init__(self, features: int, device: torch.device):
         self.features, self.device = features, device
-        self.paired: HessianAccumulator | None = None      # the rows with a reference
-        self.unpaired: HessianAccumulator | None = None    # the rest
-        self.D: torch.Tensor | None = None
+        self.halves: list[HessianAccumulator | None] = [None, None]   # the rows with a reference
+        self.D_halves: list[torch.Tensor | None] = [None, None]
+        self.unpaired: HessianAccumulator | None = None               # the rest
         self.projected = False
 
     @property
+    def paired_rows(self) -> int:
+        return sum(half.rows for half in self.halves if half is not None)
+
+    @property
     def rows(self) -> int:
-        return sum(part.rows for part in (self.paired, self.unpaired) if part is not None)
+        return self.paired_rows + (self.unpaired.rows if self.unpaired is not None else 0)
 
     def add(self, x: torch.Tensor, reference: torch.Tensor | None = None,
             project: torch.Tensor | None = None) -> None:
@@ -83,41 +90,66 @@ class ReferenceHessian:
             self.unpaired.add(x[m:])
         if not m:
             return
-        self.paired = self.paired or HessianAccumulator(self.features, self.device)
-        before = self.paired.rows
-        self.paired.add(x[:m])
-        x = x[:m].to(self.device, torch.float32)
-        delta = reference.reshape(m, -1).to(self.device, torch.float32) - x
+        if any(D is not None for D in self.D_halves) and self.projected != (project is not None):
+            raise ValueError("a group's reference batches must all be projected or none")
+        self.projected = project is not None
+        xs = x[:m].to(self.device, torch.float32)
+        delta = reference.reshape(m, -1).to(self.device, torch.float32) - xs
         if project is not None:
             delta = delta @ project.to(self.device, torch.float32).T
-        if self.D is None:
-            self.D = torch.zeros(delta.shape[1], x.shape[1], dtype=torch.float32, device=self.device)
-            self.projected = project is not None
-        elif self.projected != (project is not None):
-            raise ValueError("a group's reference batches must all be projected or none")
-        self.D.mul_(before / self.paired.rows)
-        self.D.addmm_(delta.T, x, alpha=1.0 / self.paired.rows)
+        h = m // 2
+        for i, rows in enumerate((slice(0, h), slice(h, m))):
+            if rows.stop == rows.start:
+                continue
+            half = self.halves[i] = self.halves[i] or HessianAccumulator(self.features, self.device)
+            before = half.rows
+            half.add(x[rows])
+            if self.D_halves[i] is None:
+                self.D_halves[i] = torch.zeros(delta.shape[1], xs.shape[1], dtype=torch.float32, device=self.device)
+            D = self.D_halves[i]
+            D.mul_(before / half.rows)
+            D.addmm_(delta[rows].T, xs[rows], alpha=1.0 / half.rows)
+
+    def _mean(self, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
+        parts = [(t, n) for t, n in parts if n]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0][0]
+        total = sum(n for _, n in parts)
+        return sum(t * (n / total) for t, n in parts)
 
     def value(self) -> torch.Tensor:
         """H over every row."""
-        parts = [part for part in (self.paired, self.unpaired) if part is not None]
-        if len(parts) == 1:
-            return parts[0].H
-        n = self.rows
-        return parts[0].H * (parts[0].rows / n) + parts[1].H * (parts[1].rows / n)
+        parts = [part for part in (*self.halves, self.unpaired) if part is not None]
+        return self._mean([(part.H, part.rows) for part in parts])
 
     def paired_value(self) -> torch.Tensor | None:
         """H over the rows that have a reference (the target's, see the class docstring), or None."""
-        return None if self.paired is None else self.paired.H
+        return self._mean([(half.H, half.rows) for half in self.halves if half is not None])
+
+    @property
+    def D(self) -> torch.Tensor | None:
+        return self._mean([(D, half.rows) for D, half in zip(self.D_halves, self.halves) if half is not None])
 
     def shift(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
         """W·D for weights W (N × K), or None before any reference: with a projected D, its `rows` (those of
         W among the group's O), else W @ D."""
-        if self.D is None:
+        D = self.D
+        return None if D is None else self._times(W, D, rows)
+
+    def folds(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None):
+        """((W·D_A, H_A), (W·D_B, H_B)): `shift` and `paired_value` of each half of the paired rows, for testing
+        the regression fitted on one on rows it was not fitted to (gguf.feedback.reference_trust); None unless
+        both halves have rows."""
+        if any(half is None for half in self.halves):
             return None
+        return tuple((self._times(W, D, rows), half.H) for D, half in zip(self.D_halves, self.halves))
+
+    def _times(self, W: torch.Tensor, D: torch.Tensor, rows) -> torch.Tensor:
         if self.projected:
-            return self.D[rows if rows is not None else slice(None)].to(W.device)
-        return W.float() @ self.D.to(W.device)
+            return D[rows if rows is not None else slice(None)].to(W.device)
+        return W.float() @ D.to(W.device)
 
 
 def output_projection(source: dict[str, torch.Tensor], linears, device) -> torch.Tensor | None:

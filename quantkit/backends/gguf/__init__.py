@@ -274,6 +274,9 @@ class GGUFBackend(Backend):
             from .feedback_job import FeedbackEncoder
             kept = {c.file_type: c.plain_rows() for c in collected if isinstance(c, FeedbackEncoder)}
             fields["quantization"]["rows_from_the_plain_search"] = {t: f"{k:,} of {n:,}" for t, (k, n) in kept.items()}
+            if share:
+                fields["quantization"]["reference_trust"] = {c.file_type: round(c.trust(), 4) for c in collected
+                                                             if isinstance(c, FeedbackEncoder)}
         calibration = next((c.calibration for c in collected if c.calibration is not None), None)
         if calibration is not None:
             fields["calibration"] = calibration.to_json()

@@ -96,10 +96,10 @@ class FeedbackEncoder(PassJob):
                 rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
                                   for p in parts])
                 r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows),
-                                               reference_hessian=acc.paired_value())
+                                               reference_hessian=acc.paired_value(), folds=acc.folds(W, rows))
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
-                                 "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows})
+                                 "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows, "trust": r.trust})
             else:                 # F16/BF16/F32 (a --tensor-type choice): nothing is rounded that feedback could fix
                 data = encoders.quantize(W, qtype, imatrix=torch.diag(H))
                 Wq = encoders.dequantize(data, qtype, W.shape).to(W.device)
@@ -126,19 +126,20 @@ class FeedbackEncoder(PassJob):
         H = acc.value()
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
-        loss, plain = 0.0, 0
+        loss, plain, trust = 0.0, 0, 0.0
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
             paired = isinstance(acc, ReferenceHessian)
             r = feedback.feedback_quantize(rows, H, qtype, reference=acc.shift(rows) if paired else None,
-                                           reference_hessian=acc.paired_value() if paired else None)
+                                           reference_hessian=acc.paired_value() if paired else None,
+                                           folds=acc.folds(rows) if paired else None)
             if start == 0:
                 self._put(self.head, r.data)
             else:
                 self._append(self.head, r.data)
-            loss, plain = loss + r.loss, plain + r.plain_rows
+            loss, plain, trust = loss + r.loss, plain + r.plain_rows, trust + r.trust * rows.shape[0]
         self.log.append({"layer": "head", "tensors": [self.head], "type": qtype.name, "damp": r.damp, "loss": loss,
-                         "rows": W.shape[0], "plain_rows": plain})
+                         "rows": W.shape[0], "plain_rows": plain, "trust": trust / W.shape[0]})
 
     def _put(self, name: str, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
@@ -161,6 +162,11 @@ class FeedbackEncoder(PassJob):
     def plain_rows(self) -> tuple[int, int]:
         """(rows that kept the plain search, rows fed back in all): feedback.py's choice per row."""
         return (sum(e.get("plain_rows", 0) for e in self.log), sum(e.get("rows", 0) for e in self.log))
+
+    def trust(self) -> float:
+        """The mean over every fed-back row of its reference_trust (1 where it had no halves to test on)."""
+        rows = sum(e.get("rows", 0) for e in self.log)
+        return sum(e.get("trust", 1.0) * e.get("rows", 0) for e in self.log) / max(rows, 1)
 
     # --- what the writer reads ------------------------------------------------------------------
     def encoded(self, name: str) -> np.ndarray | None:
