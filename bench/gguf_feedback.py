@@ -90,9 +90,13 @@ def bench_model(name: str, types: list[str], a) -> list[dict]:
             row = {"model": name, "type": ftype, "method": method, "wall_s": round(wall, 1),
                    "peak_rss_gib": round(rss / 2**30, 3), "bytes": path.stat().st_size,
                    **evaluate(path, spec, a.windows), **protocol}
-            kept = read_record(path).get("quantization", {}).get("rows_from_the_plain_search", {}).get(ftype)
+            quantization = read_record(path).get("quantization", {})
+            kept = quantization.get("rows_from_the_plain_search", {}).get(ftype)
             if kept:       # rows where the plain search beat the column loop (feedback.py)
                 row["plain_rows"] = kept
+            trust = quantization.get("reference_trust", {}).get(ftype)
+            if trust is not None:    # mean over rows of feedback.reference_trust
+                row["reference_trust"] = trust
             rows.append(row)
             print(row, flush=True)
     return rows
