@@ -99,7 +99,8 @@ class FeedbackEncoder(PassJob):
                                                reference_hessian=acc.paired_value(), folds=acc.folds(W, rows))
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
-                                 "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows, "trust": r.trust})
+                                 "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows,
+                                 "trust": r.trust})
             else:                 # F16/BF16/F32 (a --tensor-type choice): nothing is rounded that feedback could fix
                 data = encoders.quantize(W, qtype, imatrix=torch.diag(H))
                 Wq = encoders.dequantize(data, qtype, W.shape).to(W.device)
