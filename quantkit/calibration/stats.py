@@ -110,7 +110,8 @@ class ReferenceHessian:
             D.mul_(before / half.rows)
             D.addmm_(delta[rows].T, xs[rows], alpha=1.0 / half.rows)
 
-    def _mean(self, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
+    @staticmethod
+    def _mean(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
         parts = [(t, n) for t, n in parts if n]
         if not parts:
             return None

@@ -272,11 +272,11 @@ class GGUFBackend(Backend):
         if target:
             fields["quantization"]["target"] = target
             from .feedback_job import FeedbackEncoder
-            kept = {c.file_type: c.plain_rows() for c in collected if isinstance(c, FeedbackEncoder)}
-            fields["quantization"]["rows_from_the_plain_search"] = {t: f"{k:,} of {n:,}" for t, (k, n) in kept.items()}
+            choices = {c.file_type: c.row_choices() for c in collected if isinstance(c, FeedbackEncoder)}
+            fields["quantization"]["rows_from_the_plain_search"] = {t: f"{plain:,} of {rows:,}"
+                                                                    for t, (plain, rows, _) in choices.items()}
             if share:
-                fields["quantization"]["reference_trust"] = {c.file_type: round(c.trust(), 4) for c in collected
-                                                             if isinstance(c, FeedbackEncoder)}
+                fields["quantization"]["reference_trust"] = {t: round(trust, 4) for t, (_, _, trust) in choices.items()}
         calibration = next((c.calibration for c in collected if c.calibration is not None), None)
         if calibration is not None:
             fields["calibration"] = calibration.to_json()

@@ -232,6 +232,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
         better = gain < 0
         kept = int(better.sum())
         if kept:
-            out[better.cpu().numpy()] = plain[better.cpu().numpy()]
+            rows = better.cpu().numpy()
+            out[rows] = plain[rows]
             Q[better] = P[better]
     return FeedbackResult(out, Q, damp, loss, kept, trust)

@@ -89,6 +89,7 @@ class FeedbackEncoder(PassJob):
         heights = [ctx.source[f"{lin}.weight"].shape[0] for lin in group.linears]
         first = dict(zip(group.linears, accumulate(heights, initial=0)))   # rows of a projected D, by linear
         new = {}
+        paired_H = acc.paired_value()     # combined from the halves: once for the group
         for qtype, members in by_type.items():
             parts = [p for stored, _ in members for p in stored.parts]
             W = torch.cat([ctx.source[f"{p}.weight"].to(self.device, torch.float32) for p in parts])
@@ -96,7 +97,7 @@ class FeedbackEncoder(PassJob):
                 rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
                                   for p in parts])
                 r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows),
-                                               reference_hessian=acc.paired_value(), folds=acc.folds(W, rows))
+                                               reference_hessian=paired_H, folds=acc.folds(W, rows))
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
                                  "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows,
@@ -128,11 +129,12 @@ class FeedbackEncoder(PassJob):
         W, qtype = self.model.lm_head_weight(), self.types[self.head]
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
         loss, plain, trust = 0.0, 0, 0.0
+        paired = isinstance(acc, ReferenceHessian)
+        paired_H = acc.paired_value() if paired else None
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
-            paired = isinstance(acc, ReferenceHessian)
             r = feedback.feedback_quantize(rows, H, qtype, reference=acc.shift(rows) if paired else None,
-                                           reference_hessian=acc.paired_value() if paired else None,
+                                           reference_hessian=paired_H,
                                            folds=acc.folds(rows) if paired else None)
             if start == 0:
                 self._put(self.head, r.data)
@@ -160,14 +162,13 @@ class FeedbackEncoder(PassJob):
         self._put(name, data)
         self.index[name] = (offset, nbytes + self.index[name][1])
 
-    def plain_rows(self) -> tuple[int, int]:
-        """(rows that kept the plain search, rows fed back in all): feedback.py's choice per row."""
-        return (sum(e.get("plain_rows", 0) for e in self.log), sum(e.get("rows", 0) for e in self.log))
-
-    def trust(self) -> float:
-        """The mean over every fed-back row of its reference_trust (1 where it had no halves to test on)."""
+    def row_choices(self) -> tuple[int, int, float]:
+        """(rows that kept the plain search, rows fed back in all, their mean reference_trust): feedback.py's
+        choices per row, over the file."""
         rows = sum(e.get("rows", 0) for e in self.log)
-        return sum(e.get("trust", 1.0) * e.get("rows", 0) for e in self.log) / max(rows, 1)
+        plain = sum(e.get("plain_rows", 0) for e in self.log)
+        trust = sum(e.get("trust", 1.0) * e.get("rows", 0) for e in self.log) / max(rows, 1)
+        return plain, rows, trust
 
     # --- what the writer reads ------------------------------------------------------------------
     def encoded(self, name: str) -> np.ndarray | None:
