@@ -47,7 +47,11 @@ file.  So the paired rows accumulate in two halves (ReferenceHessian.folds) and 
 the α ∈ [0, 1] under which each half's regression best predicts the other half (`reference_trust`).
 Measured on the demo at Q4_K_M (wikitext-2 test, 40 windows, in llama.cpp, 2026-12-07): at 8 × 512 tokens mean
 KLD 0.0210 (mean α 0.19), at the default 128 × 512 (half paired) 0.0163 against 0.0188 at α = 1 (mean α 0.57);
-Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.
+Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.  On Qwen2.5-Coder at Q4_K_M (64 × 512, every window
+paired, with the row choice below): 0.0138 against 0.0158 at α = 1 and the imatrix file's 0.0147 (mean α 0.29).
+Its price grows with K: two more Cholesky factors and solves and two products with an H per group, 12.7 s a
+Qwen layer on 2 cores (9.3 s of it down_proj's, K = 8960), 357 s of the 492 s that took that run from 1.42x to
+1.66x GPTQ's time (Q3_K_M: 0.0557 against the imatrix file's 0.0948, 1.74x).
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
 objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
@@ -56,7 +60,8 @@ imatrix file stores).  The loop is greedy and the target moves the row off any g
 checkpoint dequantized from a GGUF of the same type re-finds its grid on the original rows almost exactly
 (Qwen2.5-Coder's, ../shared/models/build.sh), where the target aimed through the loop came out worse than the
 imatrix file (mean KLD 0.0165 against 0.0147, bench/results/gguf_feedback.md); with the choice (before the
-trust above) 611,251 of its 797,056 rows kept the plain search and the file came to 0.0158.  On a model that
+trust above) 611,251 of its 797,056 rows kept the plain search and the file came to 0.0158, with the trust
+400,639 rows and 0.0138.  On a model that
 never went through the grid the loop's rows win nearly everywhere (the demo: 3,088 of 204,672 kept the plain).
 
 The result is an ordinary block of the same type: same file size to the byte, loaded by every llama.cpp.
