@@ -249,6 +249,13 @@ def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
         x, r = Xall[part], Rall[part]
         torch.testing.assert_close(H, x.T @ x / len(part), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(WD, W @ ((r - x).T @ x / len(part)), rtol=1e-4, atol=1e-5)
+    # the shift combined from the folds' products is W·D; rows without a reference: not every row is paired
+    shift, folds = acc.shift_and_folds(W)
+    torch.testing.assert_close(shift, acc.shift(W), rtol=1e-4, atol=1e-5)
+    assert len(folds) == 2 and not acc.all_paired
+    only_paired = ReferenceHessian(K, "cpu")
+    only_paired.add(xs[2], reference=xs[2] + 0.1)
+    assert only_paired.all_paired and torch.equal(only_paired.paired_value(), only_paired.value())
 
 
 class Folder(PassJob):

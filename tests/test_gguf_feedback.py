@@ -9,7 +9,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from conftest import make_checkpoint, run_cli
 from quantkit import api
 from quantkit.backends.gguf import encoders, llamacpp
-from quantkit.backends.gguf.feedback import SUPPORTED, block_grid, feedback_quantize
+from quantkit.backends.gguf.block_headers import block_grid
+from quantkit.backends.gguf.feedback import SUPPORTED, feedback_quantize
 from quantkit.backends.gguf.reader import GGUFModel
 from quantkit.eval.harness import load_windows, window_logits
 from quantkit.errors import QuantizationError
@@ -58,6 +59,20 @@ def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
     assert torch.equal(encoders.dequantize(aimed.data, qtype, W.shape), aimed.weight)
     # no disturbance, no change
     assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(W)).weight, plain.weight)
+
+
+def test_the_target_from_the_loops_own_inverse_is_the_least_squares_one():
+    """With no H of its own (every calibration row paired), the target W + W·D·H⁻¹ is made with the inverse the
+    column loop factors anyway: the same file as toward_reference's separate solve, up to float rounding."""
+    W, X_ref = layer(seed=3)
+    g = torch.Generator().manual_seed(4)
+    X = X_ref + 0.1 * torch.randn(X_ref.shape, generator=g)
+    H, D = X.T @ X / X.shape[0], (X_ref - X).T @ X / X.shape[0]
+    shared = feedback_quantize(W, H, QT.Q4_K, reference=W @ D)
+    apart = feedback_quantize(W, H, QT.Q4_K, reference=W @ D, reference_hessian=H.clone())
+    plain = feedback_quantize(W, H, QT.Q4_K)
+    assert (shared.weight == apart.weight).all(1).float().mean() > 0.9
+    assert shared.loss == pytest.approx(apart.loss, rel=1e-3) and shared.loss != pytest.approx(plain.loss, rel=1e-2)
 
 
 def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_to():
@@ -146,14 +161,23 @@ def test_the_first_block_header_is_llama_cpps_choice_for_the_weights(qtype):
 
 
 def test_block_grid_decodes_every_code_as_the_reference_decoder():
-    W, _ = layer(K=256, N=8)
+    """The grid read from the headers is exactly what gguf-py's decoder makes of every code, on rows of very
+    different scales and signs (minimums above and below zero, sub-scales of every size)."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(48, 512, generator=g) * torch.logspace(-4, 1, 48).unsqueeze(1)
+    W += torch.randn(48, 1, generator=g) * W.abs().amax(1, keepdim=True)       # offset rows: minimums of both signs
+    W[5] = 0                                                                    # an all-zero row: zero scales
     for qtype in TYPES:
-        data = encoders.quantize(W, qtype)
-        offset, scale = block_grid(data, qtype, W.shape)
-        levels = encoders.CODE_LAYOUTS[qtype].levels
-        for c in (0, 1, len(levels) // 2, len(levels) - 1):
-            want = encoders.dequantize(encoders.with_codes(data, qtype, torch.full(W.shape, c)), qtype, W.shape)
-            torch.testing.assert_close(offset + scale * levels[c], want, rtol=1e-6, atol=1e-7, msg=qtype.name)
+        for imatrix in (None, torch.rand(512, generator=g)):
+            data = encoders.quantize(W, qtype, imatrix=imatrix)
+            offset, scale = block_grid(data, qtype, W.shape)
+            levels = encoders.CODE_LAYOUTS[qtype].levels
+            codes = torch.randint(len(levels), W.shape, generator=g)
+            for c in (0, 1, len(levels) - 1, codes):
+                c = torch.full(W.shape, c) if isinstance(c, int) else c
+                want = encoders.dequantize(encoders.with_codes(data, qtype, c), qtype, W.shape)
+                got = offset + scale * torch.tensor(levels, dtype=torch.float32)[c]
+                assert torch.equal(got, want), qtype.name
 
 
 def test_refusals():

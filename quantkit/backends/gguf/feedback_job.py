@@ -89,15 +89,17 @@ class FeedbackEncoder(PassJob):
         heights = [ctx.source[f"{lin}.weight"].shape[0] for lin in group.linears]
         first = dict(zip(group.linears, accumulate(heights, initial=0)))   # rows of a projected D, by linear
         new = {}
-        paired_H = acc.paired_value()     # combined from the halves: once for the group
+        # the target's H, combined from the halves once for the group; none when it is H itself (every row
+        # paired), which lets feedback_quantize reuse the column loop's factorisation for the target
+        paired_H = None if acc.all_paired else acc.paired_value()
         for qtype, members in by_type.items():
             parts = [p for stored, _ in members for p in stored.parts]
             W = torch.cat([ctx.source[f"{p}.weight"].to(self.device, torch.float32) for p in parts])
             if qtype in feedback.SUPPORTED:
                 rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
                                   for p in parts])
-                r = feedback.feedback_quantize(W, H, qtype, reference=acc.shift(W, rows),
-                                               reference_hessian=paired_H, folds=acc.folds(W, rows))
+                shift, folds = acc.shift_and_folds(W, rows)
+                r = feedback.feedback_quantize(W, H, qtype, reference=shift, reference_hessian=paired_H, folds=folds)
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
                                  "damp": r.damp, "loss": r.loss, "rows": W.shape[0], "plain_rows": r.plain_rows,
@@ -130,12 +132,11 @@ class FeedbackEncoder(PassJob):
         # its rows are independent and the vocabulary is large: slices keep the float32 copies small
         loss, plain, trust = 0.0, 0, 0.0
         paired = isinstance(acc, ReferenceHessian)
-        paired_H = acc.paired_value() if paired else None
+        paired_H = acc.paired_value() if paired and not acc.all_paired else None
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
-            r = feedback.feedback_quantize(rows, H, qtype, reference=acc.shift(rows) if paired else None,
-                                           reference_hessian=paired_H,
-                                           folds=acc.folds(rows) if paired else None)
+            shift, folds = acc.shift_and_folds(rows) if paired else (None, None)
+            r = feedback.feedback_quantize(rows, H, qtype, reference=shift, reference_hessian=paired_H, folds=folds)
             if start == 0:
                 self._put(self.head, r.data)
             else:

@@ -118,15 +118,23 @@ def _fake_quant(w, scale, zero, maxq):
 
 def inverse_cholesky(H: torch.Tensor, s: GPTQSettings) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + λ·mean(diag)·I)⁻¹, raising λ until the factorization succeeds."""
+    _, U, damp = dampened_inverse(H, s)
+    return U, damp
+
+
+def dampened_inverse(H: torch.Tensor, s: GPTQSettings) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(H_λ⁻¹, its upper Cholesky factor, λ) for H_λ = H + λ·mean(diag)·I, raising λ until both factorizations
+    succeed: `inverse_cholesky` with the inverse kept, for a caller that also solves with it."""
     mean_diag = torch.mean(torch.diag(H)).item()
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     damp = s.damp
     while True:
         L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * eye)
         if info.item() == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            inverse = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if info.item() == 0 and torch.isfinite(U).all():
-                return U, damp
+                return inverse, U, damp
         if s.damp_step <= 0 or damp + s.damp_step >= 1:
             raise QuantizationError(f"the Hessian stays singular up to dampening {damp:.3f}; "
                                     f"use more or more varied calibration data, or a larger --damp")
