@@ -225,7 +225,7 @@ def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
     """A reference for the first rows of a batch (or none) counts every row in H and only the paired ones in D."""
     g = torch.Generator().manual_seed(1)
     K = 12
-    acc = ReferenceHessian(K, "cpu")
+    acc = ReferenceHessian(K, "cpu", bf16_products=False)
     xs, pairs = [], []
     for paired in (4, 0, 10, 7):
         x = torch.randn(10, K, generator=g)
@@ -281,13 +281,33 @@ class Folder(PassJob):
         self.outputs.append(ctx.stream.clone())
 
 
+def test_d_from_bf16_products_is_float32_d_to_bf16_rounding():
+    """Where the CPU multiplies bf16 natively, D's products take bf16 factors: D (and a projected W·D) then
+    differ from the float32 ones by about bf16's rounding, far below their sampling noise; H is untouched."""
+    g = torch.Generator().manual_seed(2)
+    K, O = 256, 64
+    W = torch.randn(O, K, generator=g)
+    accs = {(low, proj): ReferenceHessian(K, "cpu", bf16_products=low) for low in (False, True) for proj in (None, 1)}
+    for _ in range(3):
+        x = torch.randn(512, K, generator=g)
+        ref = x @ (torch.eye(K) + 0.1 * torch.randn(K, K, generator=g) / K ** 0.5)
+        for (low, proj), acc in accs.items():
+            acc.add(x, reference=ref, project=W if proj else None)
+    for proj in (None, 1):
+        exact, low = accs[False, proj], accs[True, proj]
+        assert low.bf16_products and not exact.bf16_products
+        assert torch.equal(low.value(), exact.value())
+        rel = float((low.D - exact.D).norm() / exact.D.norm())
+        assert 1e-5 < rel < 1e-2, rel          # rounded (not silently float32), and only rounded
+
+
 def test_a_projected_reference_hessian_keeps_the_same_w_times_d():
     """For a group whose inputs are wider than twice its outputs (a down projection) the reference term is kept
     as W·D (O × K) rather than D (K × K): the same values, batches before the first reference included."""
     g = torch.Generator().manual_seed(0)
     K, O = 96, 40
     W = torch.randn(O, K, generator=g)
-    full, projected = ReferenceHessian(K, "cpu"), ReferenceHessian(K, "cpu")
+    full, projected = (ReferenceHessian(K, "cpu", bf16_products=False) for _ in range(2))
     for paired in (False, True, True):
         x = torch.randn(2, 50, K, generator=g)
         ref = x + 0.1 * torch.randn(x.shape, generator=g) if paired else None
