@@ -1,9 +1,9 @@
 """The grid a block's header sets, read straight from its bytes: for each value, the (offset, scale) under which
 code c decodes to offset + scale · levels[c] (encoders.CODE_LAYOUTS).  feedback.py reads it once per block of
-columns; decoding whole blocks through gguf-py's numpy dequantizer to find it cost ~5 % of a run.
+columns; decoding whole blocks through gguf-py's numpy dequantizer to find it took 4 % of a demo run.
 
 Each type is data: its block's bytes hold an fp16 `d` (and for some an fp16 minimum) and per sub-block a scale
-(and minimum) packed as in ggml-quants.c's dequantize_row_* (k_quants.md in ../shared/docs/formats):
+(and minimum) packed as ggml-quants.c's dequantize_row_* reads them (gguf.md in ../shared/docs/formats):
 
     type      sub-block  value
     Q8_0      32         d·(c − 128)            (c = the stored int8 + 128)
