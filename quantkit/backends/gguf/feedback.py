@@ -51,7 +51,10 @@ Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.  On Qwen2.5-Coder at Q
 paired, with the row choice below): 0.0138 against 0.0158 at α = 1 and the imatrix file's 0.0147 (mean α 0.29).
 Its price grows with K: two more Cholesky factors and solves and two products with an H per group, 12.7 s a
 Qwen layer on 2 cores (9.3 s of it down_proj's, K = 8960), 357 s of the 492 s that took that run from 1.42x to
-1.66x GPTQ's time (Q3_K_M: 0.0557 against the imatrix file's 0.0948, 1.74x).
+1.66x GPTQ's time (Q3_K_M: 0.0557 against the imatrix file's 0.0948, 1.74x).  With every row paired, the
+target's H is the loop's and the loop's own H⁻¹ makes it (no factorisation of its own); with the grid read from
+the block headers (block_headers.py), this took a Qwen down_proj's call from 32.0 s to 25.2 s (A/B in one
+process, 2026-12-07; the file: KLD 0.0141, 3329 s on a slower afternoon, bench/results/gguf_feedback.md).
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
 objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
