@@ -126,7 +126,10 @@ class ReferenceHessian:
                 self.D_halves[i] = torch.zeros(delta.shape[1], xs.shape[1], dtype=torch.float32, device=self.device)
             D = self.D_halves[i]
             D.mul_(before / half.rows)
-            D.add_(delta[rows].T @ xs[rows], alpha=1.0 / half.rows)
+            if delta.dtype == D.dtype:    # float32: in place, no K × K temporary on the hot path
+                D.addmm_(delta[rows].T, xs[rows], alpha=1.0 / half.rows)
+            else:                         # bf16 factors: addmm_ wants one dtype, so the product is summed in
+                D.add_(delta[rows].T @ xs[rows], alpha=1.0 / half.rows)
 
     @staticmethod
     def _mean(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
