@@ -63,7 +63,7 @@ def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
 
 def test_the_target_from_the_loops_own_inverse_is_the_least_squares_one():
     """With no H of its own (every calibration row paired), the target W + W·D·H⁻¹ is made with the inverse the
-    column loop factors anyway: the same file as toward_reference's separate solve, up to float rounding."""
+    column loop factors anyway: the same file as with a separate inverse of the same H, up to float rounding."""
     W, X_ref = layer(seed=3)
     g = torch.Generator().manual_seed(4)
     X = X_ref + 0.1 * torch.randn(X_ref.shape, generator=g)
@@ -80,7 +80,7 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
     linear function of x, half of the tokens predict the other half and the shift is kept; when it is noise
     x cannot explain, fitted on few tokens for the width, the regression learns that noise, the halves disagree,
     and the trust falls, and with it the error on tokens the calibration never saw."""
-    from quantkit.backends.gguf.feedback import REFERENCE_DAMP, reference_trust
+    from quantkit.backends.gguf.feedback import reference_trust, target_inverse
     from quantkit.calibration.stats import ReferenceHessian
     K, N = 256, 64
     g = torch.Generator().manual_seed(5)
@@ -97,7 +97,7 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
         for _ in range(2):
             X, R = tokens(tokens_per_batch, linear)
             acc.add(X, reference=R)
-        alpha = reference_trust(acc.folds(W), REFERENCE_DAMP, "cpu")
+        alpha = reference_trust(acc.folds(W), target_inverse(acc.paired_value()))
         assert alpha.shape == (N,) and want(alpha), (linear, alpha.mean())
         X, R = tokens(8192, linear)          # tokens neither half saw
         error = lambda Wq: float(((R @ W.T - X @ Wq.T) ** 2).mean())
@@ -108,6 +108,24 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
         assert trusted.trust == pytest.approx(float(alpha.mean()))
         if not linear:
             assert error(trusted.weight) < error(full.weight)
+
+
+@pytest.mark.parametrize("N", [48, 400], ids=["rows<inputs", "rows>inputs"])
+def test_the_trust_is_the_same_in_the_loops_visiting_order(N):
+    """feedback_quantize hands reference_trust the target's H⁻¹ in the column loop's order: the α per row must be
+    what the file's own order gives (each side of the products is permuted, whichever is narrower)."""
+    from quantkit.backends.gguf.feedback import reference_trust, target_inverse
+    from quantkit.calibration.stats import ReferenceHessian
+    K = 256
+    W, X = layer(K=K, N=N, tokens=1024, seed=6)
+    acc = ReferenceHessian(K, "cpu", bf16_products=False)
+    acc.add(X, reference=X + 0.2 * torch.randn(X.shape, generator=torch.Generator().manual_seed(7)))
+    P = target_inverse(acc.paired_value())
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(8))
+    folds = acc.folds(W)
+    plain, permuted = reference_trust(folds, P), reference_trust(folds, P[perm][:, perm], perm)
+    assert 0 < float(plain.mean()) < 1
+    torch.testing.assert_close(permuted, plain, rtol=2e-2, atol=2e-3)   # bf16 products on a bf16-native CPU
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)

@@ -78,12 +78,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..gptq.algorithm import GPTQSettings, dampened_inverse, visiting_order
+from ...calibration.stats import native_bf16
 from ...errors import QuantizationError
 from . import encoders
 from .block_headers import block_grid
 
 SUPPORTED = frozenset(encoders.CODE_LAYOUTS)
-REFERENCE_DAMP = 0.01   # of mean diag H, for the least-squares target (see toward_reference)
+REFERENCE_DAMP = 0.01   # of mean diag H, for the least-squares target (see target_inverse)
 LAZY_COLUMNS = 256   # columns updated one by one before the rest of the matrix gets their errors in one matmul
 
 
@@ -107,37 +108,49 @@ def nearest_codes(w: torch.Tensor, offset: torch.Tensor, inverse: torch.Tensor, 
     return torch.bucketize(t, (levels[1:] + levels[:-1]) / 2).to(t.dtype)
 
 
-def _regression(WD: torch.Tensor, H: torch.Tensor, damp: float, device) -> torch.Tensor:
-    """W·D·H⁻¹, with H dampened by `damp` × its mean diagonal as the column loop dampens it."""
+def target_inverse(H: torch.Tensor, damp: float = REFERENCE_DAMP) -> torch.Tensor:
+    """H⁻¹ for the target W' = W + W·D·H⁻¹ when its H is not the column loop's (only some rows paired), H
+    dampened by `damp` × its mean diagonal as the loop dampens its own.  W' minimises Σ‖W·x_ref − W'·x‖² over the
+    calibration tokens, given H = E[xxᵀ] and W·D, D = E[(x_ref − x)xᵀ] (calibration.stats.ReferenceHessian):
+    quantizing W' with the usual H loss then aims at the unquantized model's output, ‖W·X_ref − Q·X‖² =
+    ‖W'·X − Q·X‖² + a term Q does not change."""
     H = H.float().clone()
     diag = H.diagonal()
     dead = diag == 0
     diag.add_(damp * diag.mean())
     diag[dead] = 1
-    L = torch.linalg.cholesky(H)
-    return torch.cholesky_solve(WD.to(device, torch.float32).T.contiguous(), L.to(device)).T
+    return torch.cholesky_inverse(torch.linalg.cholesky(H))
 
 
-def toward_reference(W: torch.Tensor, H: torch.Tensor, WD: torch.Tensor, damp: float) -> torch.Tensor:
-    """The weights W' minimising Σ‖W·x_ref − W'·x‖² over the calibration tokens, given H = E[xxᵀ] and
-    W·D, D = E[(x_ref − x)xᵀ] (calibration.stats.ReferenceHessian.shift): W' = W + W·D·H⁻¹.  Quantizing W' with
-    the usual H loss then aims at the unquantized model's output: ‖W·X_ref − Q·X‖² = ‖W'·X − Q·X‖² + a term Q
-    does not change."""
-    return W + _regression(WD, H, damp, W.device)
+def reference_trust(folds, inverse: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, how far toward the reference target to go: the α in [0, 1] whose shift α·Δ_A, Δ_A = W·D_A·H⁻¹
+    fitted on one half of the paired rows, leaves the least error ‖W·x_ref − (W + α·Δ_A)·x‖² on the other half,
+    both ways (`folds`: ReferenceHessian.folds).  Per half B and row, that error is −2α·(W·D_B)·Δ_A +
+    α²·Δ_A·H_B·Δ_A plus what α does not change, so α = Σ (W·D_B)·Δ_A / Σ Δ_A·H_B·Δ_A over the two ways.  The
+    regression has a coefficient per input and row: fitted on few tokens for its width it learns their noise,
+    and α falls to what carries over to other tokens.
 
-
-def reference_trust(folds, damp: float, device) -> torch.Tensor:
-    """Per row, how far toward the reference target to go: the α in [0, 1] whose shift α·W·D·H⁻¹, fitted on one
-    half of the paired rows, leaves the least error ‖W·x_ref − (W + α·Δ)·x‖² on the other half, both ways
-    (`folds`: ReferenceHessian.folds).  Per half B and row, that error is −2α·(W·D_B)·Δ_A + α²·Δ_A·H_B·Δ_A plus
-    what α does not change, so α = Σ (W·D_B)·Δ_A / Σ Δ_A·H_B·Δ_A over the two ways.  The regression has a
-    coefficient per input and row: fitted on few tokens for its width it learns their noise, and α falls to
-    what carries over to other tokens."""
-    (WDa, Ha), (WDb, Hb) = folds
-    WDa, WDb = WDa.to(device, torch.float32), WDb.to(device, torch.float32)
-    Da, Db = _regression(WDa, Ha, damp, device), _regression(WDb, Hb, damp, device)
-    num = (WDb * Da).sum(1) + (WDa * Db).sum(1)
-    den = ((Da @ Hb.to(device, torch.float32)) * Da).sum(1) + ((Db @ Ha.to(device, torch.float32)) * Db).sum(1)
+    Both halves' regressions use `inverse`, the target's own H⁻¹ (its columns in the order `perm` gives: the
+    loop's visiting order).  The halves then differ in D, whose noise the trust is there to measure, and the
+    trust costs four products and no factorisation (each half's own H_A⁻¹ took two more Cholesky factors and
+    solves per group, 9 s of a Qwen2.5-Coder down_proj's 25).  The products are bf16 with float32 sums where the
+    CPU multiplies bf16 natively: α is a ratio of sums over a row, far coarser than bf16's rounding."""
+    device = inverse.device
+    dtype = torch.bfloat16 if native_bf16(device) else torch.float32
+    P = inverse.to(dtype)
+    order = slice(None) if perm is None else perm.to(device)
+    N, K = folds[0][0].shape
+    back = torch.argsort(order) if perm is not None and N < K else None   # permute the narrower side
+    num = den = 0
+    for (WDa, _), (WDb, Hb) in (folds, folds[::-1]):
+        Da = WDa.to(device, torch.float32)[:, order].to(dtype) @ P             # in visiting order
+        WDb, Hb = WDb.to(device, torch.float32), Hb.to(device)
+        if back is not None:
+            Da = Da[:, back]
+        else:
+            WDb, Hb = WDb[:, order], Hb[order][:, order]
+        num = num + (WDb * Da.float()).sum(1)
+        den = den + ((Da @ Hb.to(dtype)).float() * Da.float()).sum(1)
     return torch.where(den > 0, num / den.clamp(min=torch.finfo(torch.float32).tiny), 0).clamp(0, 1)
 
 
@@ -147,8 +160,8 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
                       reference_hessian: torch.Tensor | None = None, plain_rows: bool = True,
                       folds=None) -> FeedbackResult:
     """Quantize W (N, K) to `qtype` given H (K, K); `importance` (K,) weights the search (default: diag H,
-    the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D of
-    `toward_reference`, to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
+    the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D (see
+    `target_inverse`), to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
     the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian); `folds`
     (ReferenceHessian.folds): scale each row's shift by its `reference_trust`.  `plain_rows=False` keeps every
     row of the column loop (to compare with)."""
@@ -168,15 +181,6 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
         raise QuantizationError("the weights contain NaN or inf")
     if importance is None:
         importance = torch.diag(H).clone()
-    trust = 1.0
-    if reference is not None and folds is not None:
-        alpha = reference_trust(folds, REFERENCE_DAMP, W.device)
-        reference, trust = reference.to(W.device, torch.float32) * alpha.unsqueeze(1), float(alpha.mean())
-    # The target's H is the column loop's when no other is given: its inverse, which the loop computes anyway,
-    # then makes the target (a Cholesky factorisation and a solve fewer, 3 s of a Qwen2.5-Coder down_proj).
-    shared = reference is not None and reference_hessian is None
-    if reference is not None and not shared:
-        W = toward_reference(W, reference_hessian, reference, REFERENCE_DAMP)
     importance = importance.float().cpu()
     dead = torch.diag(H) == 0      # inputs that never fire: their columns take no error and give none
     H[dead, dead] = 1
@@ -185,8 +189,19 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     W, H = W[:, perm], H[perm][:, perm]
     inverse, U, damp = dampened_inverse(H, settings)
     del H
-    if shared:     # toward_reference in visiting order, with the loop's dampening
-        W.addmm_(reference.to(W.device, torch.float32)[:, perm], inverse)
+    trust = 1.0
+    if reference is not None:
+        # The target W + W·D·H⁻¹ in visiting order, from the loop's own H⁻¹ when its H is the target's (every
+        # row paired: a Cholesky factorisation and a solve fewer, 3 s of a Qwen2.5-Coder down_proj).
+        if reference_hessian is not None:
+            inverse = target_inverse(reference_hessian.to(W.device)[perm][:, perm])
+        shift = reference.to(W.device, torch.float32)[:, perm] @ inverse
+        if folds is not None:
+            alpha = reference_trust(folds, inverse, perm)
+            shift.mul_(alpha.unsqueeze(1))
+            trust = float(alpha.mean())
+        W.add_(shift)
+        del shift
     del inverse
     target = W[:, torch.argsort(perm)] if plain_rows else None
     levels = torch.tensor(encoders.CODE_LAYOUTS[qtype].levels, dtype=torch.float32, device=W.device)
