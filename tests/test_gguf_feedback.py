@@ -110,22 +110,27 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
             assert error(trusted.weight) < error(full.weight)
 
 
-@pytest.mark.parametrize("N", [48, 400], ids=["rows<inputs", "rows>inputs"])
-def test_the_trust_is_the_same_in_the_loops_visiting_order(N):
+def test_the_trust_is_the_same_in_the_loops_visiting_order():
     """feedback_quantize hands reference_trust the target's H⁻¹ in the column loop's order: the α per row must be
-    what the file's own order gives (each side of the products is permuted, whichever is narrower)."""
+    what the file's own order gives, in reference_trust and through feedback_quantize (K = 512: two Q4_K blocks,
+    whose visiting order is not the file's)."""
     from quantkit.backends.gguf.feedback import reference_trust, target_inverse
     from quantkit.calibration.stats import ReferenceHessian
-    K = 256
-    W, X = layer(K=K, N=N, tokens=1024, seed=6)
+    K = 512
+    W, X = layer(K=K, N=48, tokens=1024, seed=6)
+    g = torch.Generator().manual_seed(7)
+    mix = torch.eye(K) + 0.05 * torch.randn(K, K, generator=g) / K ** 0.5
     acc = ReferenceHessian(K, "cpu", bf16_products=False)
-    acc.add(X, reference=X + 0.2 * torch.randn(X.shape, generator=torch.Generator().manual_seed(7)))
+    acc.add(X, reference=X @ mix + 0.2 * torch.randn(X.shape, generator=g))   # partly explained by x
     P = target_inverse(acc.paired_value())
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(8))
     folds = acc.folds(W)
     plain, permuted = reference_trust(folds, P), reference_trust(folds, P[perm][:, perm], perm)
-    assert 0 < float(plain.mean()) < 1
+    assert ((plain > 0.05) & (plain < 0.95)).float().mean() > 0.5     # rows inside (0, 1), not clamped
     torch.testing.assert_close(permuted, plain, rtol=2e-2, atol=2e-3)   # bf16 products on a bf16-native CPU
+    r = feedback_quantize(W, acc.value(), QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value(),
+                          folds=folds)
+    assert r.trust == pytest.approx(float(plain.mean()), rel=1e-2)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)

@@ -139,18 +139,12 @@ def reference_trust(folds, inverse: torch.Tensor, perm: torch.Tensor | None = No
     dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     P = inverse.to(dtype)
     order = slice(None) if perm is None else perm.to(device)
-    N, K = folds[0][0].shape
-    back = torch.argsort(order) if perm is not None and N < K else None   # permute the narrower side
+    back = slice(None) if perm is None else torch.argsort(order)
     num = den = 0
     for (WDa, _), (WDb, Hb) in (folds, folds[::-1]):
-        Da = WDa.to(device, torch.float32)[:, order].to(dtype) @ P             # in visiting order
-        WDb, Hb = WDb.to(device, torch.float32), Hb.to(device)
-        if back is not None:
-            Da = Da[:, back]
-        else:
-            WDb, Hb = WDb[:, order], Hb[order][:, order]
-        num = num + (WDb * Da.float()).sum(1)
-        den = den + ((Da @ Hb.to(dtype)).float() * Da.float()).sum(1)
+        Da = (WDa.to(device, torch.float32)[:, order].to(dtype) @ P)[:, back]   # fitted in visiting order
+        num = num + (WDb.to(device, torch.float32) * Da.float()).sum(1)
+        den = den + ((Da @ Hb.to(device, dtype)).float() * Da.float()).sum(1)
     return torch.where(den > 0, num / den.clamp(min=torch.finfo(torch.float32).tiny), 0).clamp(0, 1)
 
 
@@ -194,7 +188,8 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
         # The target W + W·D·H⁻¹ in visiting order, from the loop's own H⁻¹ when its H is the target's (every
         # row paired: a Cholesky factorisation and a solve fewer, 3 s of a Qwen2.5-Coder down_proj).
         if reference_hessian is not None:
-            inverse = target_inverse(reference_hessian.to(W.device)[perm][:, perm])
+            del inverse
+            inverse = target_inverse(reference_hessian.to(W.device)[perm[:, None], perm])
         shift = reference.to(W.device, torch.float32)[:, perm] @ inverse
         if folds is not None:
             alpha = reference_trust(folds, inverse, perm)
