@@ -49,12 +49,13 @@ Measured on the demo at Q4_K_M (wikitext-2 test, 40 windows, in llama.cpp, 2026-
 KLD 0.0210 (mean α 0.19), at the default 128 × 512 (half paired) 0.0163 against 0.0188 at α = 1 (mean α 0.57);
 Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.  On Qwen2.5-Coder at Q4_K_M (64 × 512, every window
 paired, with the row choice below): 0.0138 against 0.0158 at α = 1 and the imatrix file's 0.0147 (mean α 0.29).
-Its price grows with K: two more Cholesky factors and solves and two products with an H per group, 12.7 s a
-Qwen layer on 2 cores (9.3 s of it down_proj's, K = 8960), 357 s of the 492 s that took that run from 1.42x to
-1.66x GPTQ's time (Q3_K_M: 0.0557 against the imatrix file's 0.0948, 1.74x).  With every row paired, the
-target's H is the loop's and the loop's own H⁻¹ makes it (no factorisation of its own); with the grid read from
-the block headers (block_headers.py), this took a Qwen down_proj's call from 32.0 s to 25.2 s (A/B in one
-process, 2026-12-07; the file: KLD 0.0141, 3329 s on a slower afternoon, bench/results/gguf_feedback.md).
+Each half's regression goes through the target's own H⁻¹ (the loop's when every row is paired), not
+its own H_A⁻¹: the halves then differ in D, whose noise is what the trust measures, and the trust costs four
+products (bf16 where native) and no factorisation.  On Qwen's shapes (A/B in one process, 2026-12-07) that is
+2.9 s against 9.6 s for a down_proj (1536 × 8960) and 1.7 s against 3.3 s for gate_up (17920 × 1536); each
+half's own factorisation had cost a Qwen layer 12.7 s.  The files kept their quality: the demo at Q4_K_M
+0.0166 against 0.0165 (mean α 0.61 against 0.57), 1.46x GPTQ's time in one run against 1.54x; Qwen at Q4_K_M
+0.0140 against 0.0141 (mean α 0.33 against 0.30), 1.70x GPTQ's time in one run (bench/results/gguf_feedback.md).
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
 objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
