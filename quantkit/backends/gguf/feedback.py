@@ -49,8 +49,8 @@ Measured on the demo at Q4_K_M (wikitext-2 test, 40 windows, in llama.cpp, 2026-
 KLD 0.0210 (mean α 0.19), at the default 128 × 512 (half paired) 0.0163 against 0.0188 at α = 1 (mean α 0.57);
 Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.  On Qwen2.5-Coder at Q4_K_M (64 × 512, every window
 paired, with the row choice below): 0.0138 against 0.0158 at α = 1 and the imatrix file's 0.0147 (mean α 0.29).
-Each half's regression goes through the target's own H⁻¹ (the loop's when every row is paired), not
-its own H_A⁻¹: the halves then differ in D, whose noise is what the trust measures, and the trust costs four
+Each half's regression goes through the target's own H⁻¹ (the loop's when every row is paired), not its own
+H_A⁻¹: the halves then differ in D, whose noise is what the trust measures, and the trust costs four
 products (bf16 where native) and no factorisation.  On Qwen's shapes (A/B in one process, 2026-12-07) that is
 2.9 s against 9.6 s for a down_proj (1536 × 8960) and 1.7 s against 3.3 s for gate_up (17920 × 1536); each
 half's own factorisation had cost a Qwen layer 12.7 s.  The files kept their quality: the demo at Q4_K_M
@@ -132,10 +132,9 @@ def reference_trust(folds, inverse: torch.Tensor, perm: torch.Tensor | None = No
     and α falls to what carries over to other tokens.
 
     Both halves' regressions use `inverse`, the target's own H⁻¹ (its columns in the order `perm` gives: the
-    loop's visiting order).  The halves then differ in D, whose noise the trust is there to measure, and the
-    trust costs four products and no factorisation (each half's own H_A⁻¹ took two more Cholesky factors and
-    solves per group, 9 s of a Qwen2.5-Coder down_proj's 25).  The products are bf16 with float32 sums where the
-    CPU multiplies bf16 natively: α is a ratio of sums over a row, far coarser than bf16's rounding."""
+    loop's visiting order); why, and what it saves, is in the module docstring.  The products are bf16 with
+    float32 sums where the CPU multiplies bf16 natively: α is a ratio of sums over a row, far coarser than bf16's
+    rounding."""
     device = inverse.device
     dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     P = inverse.to(dtype)
@@ -187,7 +186,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     trust = 1.0
     if reference is not None:
         # The target W + W·D·H⁻¹ in visiting order, from the loop's own H⁻¹ when its H is the target's (every
-        # row paired: a Cholesky factorisation and a solve fewer, 3 s of a Qwen2.5-Coder down_proj).
+        # row paired: no factorisation of its own, 3 s of a Qwen2.5-Coder down_proj).
         if reference_hessian is not None:
             del inverse
             inverse = target_inverse(reference_hessian.to(W.device)[perm[:, None], perm])

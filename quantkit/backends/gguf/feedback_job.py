@@ -35,7 +35,7 @@ def head_tensor(types: dict[str, gguf.GGMLQuantizationType]) -> str | None:
 
 
 class FeedbackEncoder(PassJob):
-    # aim at the unquantized model's outputs (feedback.target_inverse), estimated from half of the windows when
+    # aim at the unquantized model's outputs (feedback.py's target), estimated from half of the windows when
     # they hold more than 32 k tokens, from all of them below: the reference stream's walk and statistics cost about
     # what the rest of the pass does; on the demo (64 k tokens, Q4_K_M) half gives KLD 0.0190 at 1.46x GPTQ's time,
     # all 0.0178 at ~1.9x (bench/results/gguf_feedback.md); a few hundred tokens would give a noisy target
