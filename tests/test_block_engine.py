@@ -245,13 +245,15 @@ def test_a_reference_hessian_averages_d_over_the_paired_rows_only():
     Xall, Rall = torch.cat(xs), torch.zeros(40, K)
     Rall[torch.cat([torch.arange(i * 10, i * 10 + p) for i, p in enumerate((4, 0, 10, 7))])] = R
     W = torch.randn(5, K, generator=g)
-    for (WD, H), part in zip(acc.folds(W), (first, rest)):
+    folds = acc.folds(W)
+    for (WD, H, rows), part in zip(folds, (first, rest)):
         x, r = Xall[part], Rall[part]
+        assert rows == len(part)
         torch.testing.assert_close(H, x.T @ x / len(part), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(WD, W @ ((r - x).T @ x / len(part)), rtol=1e-4, atol=1e-5)
-    # the shift combined from the folds' products is W·D; rows without a reference: not every row is paired
-    shift, folds = acc.shift_and_folds(W)
-    torch.testing.assert_close(shift, acc.shift(W), rtol=1e-4, atol=1e-5)
+    # W·D is the folds' mean by rows (what feedback.trusted_shift relies on); not every row is paired
+    combined = sum(fold.WD * (fold.rows / acc.paired_rows) for fold in folds)
+    torch.testing.assert_close(combined, acc.shift(W), rtol=1e-4, atol=1e-5)
     assert len(folds) == 2 and not acc.all_paired
     only_paired = ReferenceHessian(K, "cpu")
     only_paired.add(xs[2], reference=xs[2] + 0.1)
@@ -282,23 +284,29 @@ class Folder(PassJob):
 
 
 def test_d_from_bf16_products_is_float32_d_to_bf16_rounding():
-    """Where the CPU multiplies bf16 natively, D's products take bf16 factors: D (and a projected W·D) then
-    differ from the float32 ones by about bf16's rounding, far below their sampling noise; H is untouched."""
+    """Where the CPU multiplies bf16 natively, D's products take bf16 factors: D, a projected W·D and W·D from
+    D then differ from the float32 ones by about bf16's rounding, far below their sampling noise; H is untouched.
+    A bf16 stream skips float32 (its difference is float32's, rounded once): the same D to the bit."""
     g = torch.Generator().manual_seed(2)
     K, O = 256, 64
     W = torch.randn(O, K, generator=g)
     accs = {(low, proj): ReferenceHessian(K, "cpu", bf16_products=low) for low in (False, True) for proj in (None, 1)}
+    streamed = ReferenceHessian(K, "cpu", bf16_products=True)
     for _ in range(3):
-        x = torch.randn(512, K, generator=g)
-        ref = x @ (torch.eye(K) + 0.1 * torch.randn(K, K, generator=g) / K ** 0.5)
+        x = torch.randn(512, K, generator=g).bfloat16()
+        ref = (x.float() @ (torch.eye(K) + 0.1 * torch.randn(K, K, generator=g) / K ** 0.5)).bfloat16()
         for (low, proj), acc in accs.items():
-            acc.add(x, reference=ref, project=W if proj else None)
+            acc.add(x.float(), reference=ref.float(), project=W if proj else None)
+        streamed.add(x, reference=ref)
+    assert torch.equal(streamed.D, accs[True, None].D)
+    torch.testing.assert_close(streamed.value(), accs[True, None].value())   # exact products, summed otherwise
     for proj in (None, 1):
         exact, low = accs[False, proj], accs[True, proj]
         assert low.bf16_products and not exact.bf16_products
         assert torch.equal(low.value(), exact.value())
-        rel = float((low.D - exact.D).norm() / exact.D.norm())
-        assert 1e-5 < rel < 1e-2, rel          # rounded (not silently float32), and only rounded
+        for a, b in ((low.D, exact.D), (low.shift(W), exact.shift(W))):
+            rel = float((a - b).norm() / b.norm())
+            assert 1e-5 < rel < 1e-2, rel          # rounded (not silently float32), and only rounded
 
 
 def test_a_projected_reference_hessian_keeps_the_same_w_times_d():

@@ -80,7 +80,7 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
     linear function of x, half of the tokens predict the other half and the shift is kept; when it is noise
     x cannot explain, fitted on few tokens for the width, the regression learns that noise, the halves disagree,
     and the trust falls, and with it the error on tokens the calibration never saw."""
-    from quantkit.backends.gguf.feedback import reference_trust, target_inverse
+    from quantkit.backends.gguf.feedback import target_inverse, trusted_shift
     from quantkit.calibration.stats import ReferenceHessian
     K, N = 256, 64
     g = torch.Generator().manual_seed(5)
@@ -97,13 +97,14 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
         for _ in range(2):
             X, R = tokens(tokens_per_batch, linear)
             acc.add(X, reference=R)
-        alpha = reference_trust(acc.folds(W), target_inverse(acc.paired_value()))
+        P = target_inverse(acc.paired_value())
+        shift, alpha = trusted_shift(acc.folds(W), P)
         assert alpha.shape == (N,) and want(alpha), (linear, alpha.mean())
+        torch.testing.assert_close(shift, acc.shift(W) @ P, rtol=2e-2, atol=2e-2 * float(shift.abs().max()))
         X, R = tokens(8192, linear)          # tokens neither half saw
         error = lambda Wq: float(((R @ W.T - X @ Wq.T) ** 2).mean())
         H = acc.value()
-        trusted = feedback_quantize(W, H, QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value(),
-                                    folds=acc.folds(W))
+        trusted = feedback_quantize(W, H, QT.Q4_K, reference_hessian=acc.paired_value(), folds=acc.folds(W))
         full = feedback_quantize(W, H, QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value())
         assert trusted.trust == pytest.approx(float(alpha.mean()))
         if not linear:
@@ -111,10 +112,10 @@ def test_the_reference_is_trusted_as_far_as_it_holds_on_rows_it_was_not_fitted_t
 
 
 def test_the_trust_is_the_same_in_the_loops_visiting_order():
-    """feedback_quantize hands reference_trust the target's H⁻¹ in the column loop's order: the α per row must be
-    what the file's own order gives, in reference_trust and through feedback_quantize (K = 512: two Q4_K blocks,
-    whose visiting order is not the file's)."""
-    from quantkit.backends.gguf.feedback import reference_trust, target_inverse
+    """feedback_quantize hands trusted_shift the target's H⁻¹ in the column loop's order: the α per row must be
+    what the file's own order gives, and the shift the same in that order, in trusted_shift and through
+    feedback_quantize (K = 512: two Q4_K blocks, whose visiting order is not the file's)."""
+    from quantkit.backends.gguf.feedback import target_inverse, trusted_shift
     from quantkit.calibration.stats import ReferenceHessian
     K = 512
     W, X = layer(K=K, N=48, tokens=1024, seed=6)
@@ -125,11 +126,11 @@ def test_the_trust_is_the_same_in_the_loops_visiting_order():
     P = target_inverse(acc.paired_value())
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(8))
     folds = acc.folds(W)
-    plain, permuted = reference_trust(folds, P), reference_trust(folds, P[perm][:, perm], perm)
+    (shift, plain), (moved, permuted) = trusted_shift(folds, P), trusted_shift(folds, P[perm][:, perm], perm)
     assert ((plain > 0.05) & (plain < 0.95)).float().mean() > 0.5     # rows inside (0, 1), not clamped
     torch.testing.assert_close(permuted, plain, rtol=2e-2, atol=2e-3)   # bf16 products on a bf16-native CPU
-    r = feedback_quantize(W, acc.value(), QT.Q4_K, reference=acc.shift(W), reference_hessian=acc.paired_value(),
-                          folds=folds)
+    torch.testing.assert_close(moved, shift[:, perm], rtol=2e-2, atol=2e-2 * float(shift.abs().max()))
+    r = feedback_quantize(W, acc.value(), QT.Q4_K, reference_hessian=acc.paired_value(), folds=folds)
     assert r.trust == pytest.approx(float(plain.mean()), rel=1e-2)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,6 +60,13 @@ def native_bf16(device) -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+class Fold(NamedTuple):
+    """One half of a ReferenceHessian's paired rows: W·D and H over them, and how many there are."""
+    WD: torch.Tensor
+    H: torch.Tensor
+    rows: int
+
+
 class ReferenceHessian:
     """H = XᵀX / n of a linear's inputs X as the quantized model produces them, and D = (X_ref − X)ᵀX / m with
     X_ref the unquantized model's inputs for the same tokens: what a quantizer needs to aim at the unquantized
@@ -109,10 +117,14 @@ class ReferenceHessian:
         if any(D is not None for D in self.D_halves) and self.projected != (project is not None):
             raise ValueError("a group's reference batches must all be projected or none")
         self.projected = project is not None
-        xs = x[:m].to(self.device, torch.float32)
-        delta = reference.reshape(m, -1).to(self.device, torch.float32) - xs
-        if self.bf16_products:
-            delta, xs = delta.bfloat16(), xs.bfloat16()
+        low = torch.bfloat16 if self.bf16_products else torch.float32
+        if x.dtype == reference.dtype == low:   # bf16 streams: a bf16 difference is float32's, rounded once
+            xs = x[:m].to(self.device)
+            delta = reference.reshape(m, -1).to(self.device) - xs
+        else:
+            xs = x[:m].to(self.device, torch.float32)
+            delta = (reference.reshape(m, -1).to(self.device, torch.float32) - xs).to(low)
+            xs = xs.to(low)
         if project is not None:
             delta = delta @ project.to(self.device, delta.dtype).T
         h = m // 2
@@ -160,21 +172,12 @@ class ReferenceHessian:
         D = self.D
         return None if D is None else self._times(W, D, rows)
 
-    def folds(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None):
-        """((W·D_A, H_A), (W·D_B, H_B)): `shift` and `paired_value` of each half of the paired rows, for testing
-        the regression fitted on one on rows it was not fitted to (gguf.feedback.reference_trust); None unless
-        both halves have rows."""
+    def folds(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None) -> tuple[Fold, Fold] | None:
+        """Each half of the paired rows' `shift` and `paired_value`, for testing the regression fitted on one on
+        rows it was not fitted to (gguf.feedback.trusted_shift); None unless both halves have rows."""
         if any(half is None for half in self.halves):
             return None
-        return tuple((self._times(W, D, rows), half.H) for D, half in zip(self.D_halves, self.halves))
-
-    def shift_and_folds(self, W: torch.Tensor, rows: torch.Tensor | slice | None = None):
-        """(`shift`, `folds`) together: the shift is then the folds' products combined, one N·K² product fewer
-        than taking it apart (D itself is the halves' mean)."""
-        folds = self.folds(W, rows)
-        if folds is None:
-            return self.shift(W, rows), None
-        return self._mean([(WD, half.rows) for (WD, _), half in zip(folds, self.halves)]), folds
+        return tuple(Fold(self._times(W, D, rows), half.H, half.rows) for D, half in zip(self.D_halves, self.halves))
 
     @property
     def all_paired(self) -> bool:
@@ -184,6 +187,8 @@ class ReferenceHessian:
     def _times(self, W: torch.Tensor, D: torch.Tensor, rows) -> torch.Tensor:
         if self.projected:
             return D[rows if rows is not None else slice(None)].to(W.device)
+        if self.bf16_products:      # as D's own products (class docstring)
+            return (W.to(torch.bfloat16) @ D.to(W.device, torch.bfloat16)).float()
         return W.float() @ D.to(W.device)
 
 

@@ -44,7 +44,7 @@ and output row; fitted on few tokens for its width, it learns their noise: on th
 (every window paired; K = 1536 for down_proj) the target made the file worse than GPTQ's own-input target
 (mean KLD 0.0358 against 0.0263), and on Qwen2.5-Coder at Q4_K_M (64 × 512, K = 8960) worse than the imatrix
 file.  So the paired rows accumulate in two halves (ReferenceHessian.folds) and each row's shift is scaled by
-the α ∈ [0, 1] under which each half's regression best predicts the other half (`reference_trust`).
+the α ∈ [0, 1] under which each half's regression best predicts the other half (`trusted_shift`).
 Measured on the demo at Q4_K_M (wikitext-2 test, 40 windows, in llama.cpp, 2026-12-07): at 8 × 512 tokens mean
 KLD 0.0210 (mean α 0.19), at the default 128 × 512 (half paired) 0.0163 against 0.0188 at α = 1 (mean α 0.57);
 Q3_K_M 0.0445 against 0.0601, Q2_K 0.1168 against 0.1401.  On Qwen2.5-Coder at Q4_K_M (64 × 512, every window
@@ -96,7 +96,7 @@ class FeedbackResult:
     damp: float             # the dampening used (relative to mean diag H)
     loss: float             # Σ e² / 2, the proxy GPTQ minimises, over the column loop's rows
     plain_rows: int = 0     # rows that kept the importance-weighted search of the original weights instead
-    trust: float = 1.0      # mean over rows of reference_trust (1 without folds)
+    trust: float = 1.0      # mean over rows of trusted_shift's α (1 without folds)
 
 
 def nearest_codes(w: torch.Tensor, offset: torch.Tensor, inverse: torch.Tensor, levels: torch.Tensor,
@@ -123,29 +123,36 @@ def target_inverse(H: torch.Tensor, damp: float = REFERENCE_DAMP) -> torch.Tenso
     return torch.cholesky_inverse(torch.linalg.cholesky(H))
 
 
-def reference_trust(folds, inverse: torch.Tensor, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """Per row, how far toward the reference target to go: the α in [0, 1] whose shift α·Δ_A, Δ_A = W·D_A·H⁻¹
-    fitted on one half of the paired rows, leaves the least error ‖W·x_ref − (W + α·Δ_A)·x‖² on the other half,
-    both ways (`folds`: ReferenceHessian.folds).  Per half B and row, that error is −2α·(W·D_B)·Δ_A +
+def trusted_shift(folds, inverse: torch.Tensor, perm: torch.Tensor | None = None):
+    """(shift, α): the target's shift W·D·H⁻¹ in the column loop's visiting order `perm`, and per row the
+    α ∈ [0, 1] to scale it by, from the two halves of the paired rows (`folds`: ReferenceHessian.folds).
+
+    α is the factor whose shift α·Δ_A, Δ_A = W·D_A·H⁻¹ fitted on one half, leaves the least error
+    ‖W·x_ref − (W + α·Δ_A)·x‖² on the other half, both ways.  Per half B and row, that error is −2α·(W·D_B)·Δ_A +
     α²·Δ_A·H_B·Δ_A plus what α does not change, so α = Σ (W·D_B)·Δ_A / Σ Δ_A·H_B·Δ_A over the two ways.  The
     regression has a coefficient per input and row: fitted on few tokens for its width it learns their noise,
-    and α falls to what carries over to other tokens.
+    and α falls to what carries over to other tokens.  D is the halves' mean by rows, so the shift is their
+    Δ's mean: no product of its own.
 
-    Both halves' regressions use `inverse`, the target's own H⁻¹ (its columns in the order `perm` gives: the
-    loop's visiting order); why, and what it saves, is in the module docstring.  The products are bf16 with
-    float32 sums where the CPU multiplies bf16 natively: α is a ratio of sums over a row, far coarser than bf16's
-    rounding."""
+    Both halves' regressions use `inverse`, the target's own H⁻¹ with its columns in visiting order; why, and
+    what it saves, is in the module docstring.  The products are bf16 with float32 sums where the CPU multiplies
+    bf16 natively: α is a ratio of sums over a row and the shift a mean over tokens, both far coarser than
+    bf16's rounding."""
     device = inverse.device
     dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     P = inverse.to(dtype)
     order = slice(None) if perm is None else perm.to(device)
     back = slice(None) if perm is None else torch.argsort(order)
+    fitted = [(WD.to(device, torch.float32)[:, order].to(dtype) @ P) for WD, _, _ in folds]   # visiting order
     num = den = 0
-    for (WDa, _), (WDb, Hb) in (folds, folds[::-1]):
-        Da = (WDa.to(device, torch.float32)[:, order].to(dtype) @ P)[:, back]   # fitted in visiting order
+    for Da, (WDb, Hb, _) in zip(fitted, folds[::-1]):
+        Da = Da[:, back]
         num = num + (WDb.to(device, torch.float32) * Da.float()).sum(1)
         den = den + ((Da @ Hb.to(device, dtype)).float() * Da.float()).sum(1)
-    return torch.where(den > 0, num / den.clamp(min=torch.finfo(torch.float32).tiny), 0).clamp(0, 1)
+    alpha = torch.where(den > 0, num / den.clamp(min=torch.finfo(torch.float32).tiny), 0).clamp(0, 1)
+    total = sum(rows for _, _, rows in folds)
+    shift = sum(Da.float().mul_(rows / total) for Da, (_, _, rows) in zip(fitted, folds))
+    return shift, alpha
 
 
 def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationType,
@@ -157,7 +164,8 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     the mean square of each input, which is what llama-imatrix collects).  `reference` (N, K): W·D (see
     `target_inverse`), to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
     the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian); `folds`
-    (ReferenceHessian.folds): scale each row's shift by its `reference_trust`.  `plain_rows=False` keeps every
+    (ReferenceHessian.folds): the shift from the two halves of the paired rows instead, each row's scaled by its
+    trust (`trusted_shift`; `reference` is then not needed).  `plain_rows=False` keeps every
     row of the column loop (to compare with)."""
     qtype = GGMLQuantizationType(qtype)
     original, objective = W, H
@@ -184,17 +192,18 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     inverse, U, damp = dampened_inverse(H, settings)
     del H
     trust = 1.0
-    if reference is not None:
+    if reference is not None or folds is not None:
         # The target W + W·D·H⁻¹ in visiting order, from the loop's own H⁻¹ when its H is the target's (every
         # row paired: no factorisation of its own, 3 s of a Qwen2.5-Coder down_proj).
         if reference_hessian is not None:
             del inverse
             inverse = target_inverse(reference_hessian.to(W.device)[perm[:, None], perm])
-        shift = reference.to(W.device, torch.float32)[:, perm] @ inverse
         if folds is not None:
-            alpha = reference_trust(folds, inverse, perm)
+            shift, alpha = trusted_shift(folds, inverse, perm)
             shift.mul_(alpha.unsqueeze(1))
             trust = float(alpha.mean())
+        else:
+            shift = reference.to(W.device, torch.float32)[:, perm] @ inverse
         W.add_(shift)
         del shift
     del inverse
@@ -239,8 +248,10 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     if plain_rows:
         plain = encoders.quantize(original, qtype, imatrix=importance)
         P = encoders.dequantize(plain, qtype, Q.shape).to(Q.device)
-        # δ_P·H·δ_Pᵀ − δ_Q·H·δ_Qᵀ = (Q − P)·H·(2W' − P − Q)ᵀ for each row (δ = W' − ·, H symmetric): one product
-        gain = ((Q - P) @ objective.to(Q.device, torch.float32)).mul_(2 * target - P - Q).sum(1)
+        # δ_P·H·δ_Pᵀ − δ_Q·H·δ_Qᵀ = (Q − P)·H·(2W' − P − Q)ᵀ for each row (δ = W' − ·, H symmetric): one product,
+        # bf16 where native (a choice between two candidates: one within bf16's rounding of the other is a tie)
+        low = torch.bfloat16 if native_bf16(Q.device) else torch.float32
+        gain = ((Q - P).to(low) @ objective.to(Q.device, low)).float().mul_(2 * target - P - Q).sum(1)
         better = gain < 0
         kept = int(better.sum())
         if kept:

@@ -98,7 +98,8 @@ class FeedbackEncoder(PassJob):
             if qtype in feedback.SUPPORTED:
                 rows = torch.cat([torch.arange(first[p], first[p] + ctx.source[f"{p}.weight"].shape[0])
                                   for p in parts])
-                shift, folds = acc.shift_and_folds(W, rows)
+                folds = acc.folds(W, rows)     # when both halves have rows, the shift comes from them
+                shift = acc.shift(W, rows) if folds is None else None
                 r = feedback.feedback_quantize(W, H, qtype, reference=shift, reference_hessian=paired_H, folds=folds)
                 data, Wq = r.data, r.weight
                 self.log.append({"layer": ctx.layer, "tensors": [t.name for _, t in members], "type": qtype.name,
@@ -135,7 +136,8 @@ class FeedbackEncoder(PassJob):
         paired_H = acc.paired_value() if paired and not acc.all_paired else None
         for start in range(0, W.shape[0], HEAD_ROWS):
             rows = W[start:start + HEAD_ROWS].to(self.device, torch.float32)
-            shift, folds = acc.shift_and_folds(rows) if paired else (None, None)
+            folds = acc.folds(rows) if paired else None
+            shift = acc.shift(rows) if paired and folds is None else None
             r = feedback.feedback_quantize(rows, H, qtype, reference=shift, reference_hessian=paired_H, folds=folds)
             if start == 0:
                 self._put(self.head, r.data)
@@ -164,7 +166,7 @@ class FeedbackEncoder(PassJob):
         self.index[name] = (offset, nbytes + self.index[name][1])
 
     def row_choices(self) -> tuple[int, int, float]:
-        """(rows that kept the plain search, rows fed back in all, their mean reference_trust): feedback.py's
+        """(rows that kept the plain search, rows fed back in all, their mean trust): feedback.py's
         choices per row, over the file."""
         rows = sum(e.get("rows", 0) for e in self.log)
         plain = sum(e.get("plain_rows", 0) for e in self.log)
