@@ -61,6 +61,24 @@ def test_with_a_reference_it_aims_at_the_unquantized_models_output(qtype):
     assert torch.equal(feedback_quantize(W, H, qtype, reference=torch.zeros_like(W)).weight, plain.weight)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q4_0], ids=lambda q: q.name)
+def test_the_lazy_batches_do_not_change_the_update(qtype, monkeypatch):
+    """Each column's error reaches the later ones one by one inside a batch of INNER_COLUMNS and by matmul past
+    it: the same update as one by one everywhere, up to float rounding (a dropped or misplaced batch update
+    changes most codes)."""
+    from quantkit.backends.gguf import feedback
+    W, X = layer(seed=9)
+    H = X.T @ X / X.shape[0]
+    results = {}
+    for inner in (1, 16, GGML_QUANT_SIZES[qtype][0]):
+        monkeypatch.setattr(feedback, "INNER_COLUMNS", inner)
+        results[inner] = feedback_quantize(W, H, qtype, plain_rows=False)
+    one_by_one = results.pop(GGML_QUANT_SIZES[qtype][0])
+    for r in results.values():
+        assert (r.weight == one_by_one.weight).float().mean() > 0.999
+        assert r.loss == pytest.approx(one_by_one.loss, rel=1e-4)
+
+
 def test_the_target_from_the_loops_own_inverse_is_the_least_squares_one():
     """With no H of its own (every calibration row paired), the target W + W·D·H⁻¹ is made with the inverse the
     column loop factors anyway: the same file as with a separate inverse of the same H, up to float rounding."""
