@@ -53,9 +53,11 @@ Each half's regression goes through the target's own H⁻¹ (the loop's when eve
 H_A⁻¹: the halves then differ in D, whose noise is what the trust measures, and the trust costs four
 products (bf16 where native) and no factorisation.  On Qwen's shapes (A/B in one process, 2026-12-07) that is
 2.9 s against 9.6 s for a down_proj (1536 × 8960) and 1.7 s against 3.3 s for gate_up (17920 × 1536); each
-half's own factorisation had cost a Qwen layer 12.7 s.  The files kept their quality: the demo at Q4_K_M
-0.0166 against 0.0165 (mean α 0.61 against 0.57), 1.46x GPTQ's time in one run against 1.54x; Qwen at Q4_K_M
-0.0140 against 0.0141 (mean α 0.33 against 0.30), 1.70x GPTQ's time in one run (bench/results/gguf_feedback.md).
+half's own factorisation had cost a Qwen layer 12.7 s.  The shift itself is then the two fits' mean by rows (D
+is the halves' mean), no product of its own.  Measured in one run with GPTQ each (2026-12-07 night,
+bench/results/gguf_feedback.md): the demo at Q4_K_M 0.0168 (mean α 0.62) in 1.39x GPTQ's time, Qwen at Q4_K_M
+0.0139 (mean α 0.33) in 1.51x; before these two changes and the column loop's runs of 16 (LAZY_COLUMNS), 1.46x
+and 1.70x.
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
 objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
