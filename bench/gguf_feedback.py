@@ -67,19 +67,21 @@ def evaluate(path: Path, base: str, windows: int) -> dict:
     return {"perplexity": r["perplexity"], "mean_kld": r.get("mean_kld"), "top1": r.get("top1_agreement")}
 
 
-def bench_model(name: str, types: list[str], a) -> list[dict]:
+def bench_model(name: str, types: list[str], a, committed_gptq: dict | None = None) -> list[dict]:
     spec = model_spec(name)
     calib = ["--calib", str(CALIB), "--calib-samples", str(a.samples), "--calib-seqlen", str(a.seqlen), "--seed", "0"]
     rows = []
     protocol = {"date": dt.date.today().isoformat(), "calibration": f"{a.samples} × {a.seqlen}",
                 "windows": a.windows}
-    reference = {}
+    reference = {}        # the ratio's denominator: this run's GPTQ time, else the committed one's, marked
+    if committed_gptq and not a.reference:
+        reference = {"gptq_wall_s": committed_gptq["wall_s"], "gptq_same_run": False}
     if a.reference:
         out = WORK / name / "gptq"
         wall, rss = timed(QK + ["convert", spec, "-o", str(out), "-f", "gptq:4bit-g128", "--no-resume", *calib])
         rows.append({"model": name, "type": "gptq:4bit-g128", "method": "GPTQ (time reference)",
                      "wall_s": round(wall, 1), "peak_rss_gib": round(rss / 2**30, 3), **protocol})
-        reference = {"gptq_wall_s": rows[-1]["wall_s"]}     # the ratio's denominator, from this same run
+        reference = {"gptq_wall_s": rows[-1]["wall_s"]}
         print(rows[-1], flush=True)
     for ftype in types:
         for method in a.methods:
@@ -199,7 +201,8 @@ def main() -> None:
                                          or (a.reference and r["type"].startswith("gptq")))
     rows = [r for r in json.loads(old.read_text())["rows"] if not rerun(r)] if old.exists() else []
     for m in models:
-        rows = rows + bench_model(m, types, a)
+        gptq = next((r for r in rows if r["model"] == m and r["type"].startswith("gptq")), None)
+        rows = rows + bench_model(m, types, a, gptq)
         write(rows, a)
 
 

@@ -84,10 +84,11 @@ class ReferenceHessian:
     W·(X_ref − X)ᵀX / m costs 2·O·K per token where D costs K², the lesser for a wide MLP's down projection
     (`projected` says which).
 
-    D's products are taken in bf16 (float32 sums) where the CPU does that natively (`native_bf16`), unless
-    `bf16_products` says otherwise: D is a mean over tokens whose sampling noise, the noise the quantizer's
-    trust in it guards against, is far above bf16's rounding of its factors (2⁻⁹ relative), and the products
-    cost about what H's do.  H stays float32: GPTQ's loop inverts it."""
+    D's products (and W·D's, `shift` / `folds`) take bf16 factors, summed in float32 and rounded to bf16 per
+    product, where the CPU does that natively (`native_bf16`), unless `bf16_products` says otherwise: D is a
+    mean over tokens whose sampling noise, the noise the quantizer's trust in it guards against, is far above
+    bf16's rounding (2⁻⁹ relative), and the products cost about what H's do.  H stays float32: GPTQ's loop
+    inverts it."""
 
     def __init__(self, features: int, device: torch.device, bf16_products: bool | None = None):
         self.features, self.device = features, device
@@ -187,7 +188,7 @@ class ReferenceHessian:
     def _times(self, W: torch.Tensor, D: torch.Tensor, rows) -> torch.Tensor:
         if self.projected:
             return D[rows if rows is not None else slice(None)].to(W.device)
-        if self.bf16_products:      # as D's own products (class docstring)
+        if self.bf16_products:      # as D's own products (see the class docstring)
             return (W.to(torch.bfloat16) @ D.to(W.device, torch.bfloat16)).float()
         return W.float() @ D.to(W.device)
 

@@ -56,8 +56,8 @@ products (bf16 where native) and no factorisation.  On Qwen's shapes (A/B in one
 half's own factorisation had cost a Qwen layer 12.7 s.  The shift itself is then the two fits' mean by rows (D
 is the halves' mean), no product of its own.  Measured in one run with GPTQ each (2026-12-07 night,
 bench/results/gguf_feedback.md): the demo at Q4_K_M 0.0168 (mean α 0.62) in 1.39x GPTQ's time, Qwen at Q4_K_M
-0.0139 (mean α 0.33) in 1.51x; before these two changes and the column loop's runs of 16 (LAZY_COLUMNS), 1.46x
-and 1.70x.
+0.0139 (mean α 0.33) in 1.51x, the shift (like the trust) from bf16 products; before it and the column loop's
+runs of 16 (INNER_COLUMNS), with the shift a float32 product of its own, 0.0166 in 1.46x and 0.0140 in 1.70x.
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
 objective, tr((W'−Q)·H·(W'−Q)ᵀ), row by row; so after the column loop each row keeps whichever of its two
@@ -141,8 +141,8 @@ def trusted_shift(folds, inverse: torch.Tensor, perm: torch.Tensor | None = None
 
     Both halves' regressions use `inverse`, the target's own H⁻¹ with its columns in visiting order; why, and
     what it saves, is in the module docstring.  The products are bf16 with float32 sums where the CPU multiplies
-    bf16 natively: α is a ratio of sums over a row and the shift a mean over tokens, both far coarser than
-    bf16's rounding."""
+    bf16 natively (each product rounded to bf16): α is a ratio of sums over a row and the shift a mean over
+    tokens, both far coarser than bf16's rounding; measured, the files kept their KLD (module docstring)."""
     device = inverse.device
     dtype = torch.bfloat16 if native_bf16(device) else torch.float32
     P = inverse.to(dtype)
@@ -170,7 +170,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
     `target_inverse`), to aim at the unquantized model's output instead of W·x; `reference_hessian`: the H of
     the rows D was taken from, when only some had a reference (calibration.stats.ReferenceHessian); `folds`
     (ReferenceHessian.folds): the shift from the two halves of the paired rows instead, each row's scaled by its
-    trust (`trusted_shift`; `reference` is then not needed).  `plain_rows=False` keeps every
+    trust (`trusted_shift`; `reference` is then ignored).  `plain_rows=False` keeps every
     row of the column loop (to compare with)."""
     qtype = GGMLQuantizationType(qtype)
     original, objective = W, H
@@ -237,7 +237,7 @@ def feedback_quantize(W: torch.Tensor, H: torch.Tensor, qtype: GGMLQuantizationT
             inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
             codes = torch.empty(bs, N, device=W.device)
             for s0 in range(b0, b0 + bs, INNER_COLUMNS):
-                s1 = s0 + INNER_COLUMNS
+                s1 = min(s0 + INNER_COLUMNS, b0 + bs)       # a run never leaves its block
                 for i in range(s0, s1):
                     j = i - b0
                     w = W1[:, i]
