@@ -58,7 +58,7 @@ is the halves' mean), no product of its own.  Measured in one run with GPTQ each
 bench/results/gguf_feedback.md): the demo at Q4_K_M 0.0168 (mean α 0.62) in 1.39x GPTQ's time, Qwen at Q4_K_M
 0.0139 (mean α 0.33) in 1.51x, the shift (like the trust) from bf16 products; before it and the column loop's
 runs of 16 (INNER_COLUMNS), with the shift a float32 product of its own, 0.0166 in 1.46x and 0.0140 in 1.70x.
-The same code on Qwen at Q2_K (2026-12-08, one run with GPTQ): 0.2009 against the imatrix file's 0.2976 (mean α
+The same code on Qwen at Q2_K (2026-12-07/08 night, one run with GPTQ): 0.2009 against the imatrix file's 0.2976 (mean α
 0.53, 1,025 rows of 797,056 kept the plain search) in 1.52x.
 
 Row by row, the better of two.  GGUF rows are independent (each is its own run of blocks) and so is the
